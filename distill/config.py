@@ -1,0 +1,352 @@
+"""The config schema (typed dataclasses, one per section) and its loader.
+
+Loading = YAML file + dotlist overrides, checked against the schema *before* anything runs: unknown keys get a
+did-you-mean, wrong types and out-of-range values name the key and what is allowed, and all problems are
+reported together (`ConfigError`, exit 2). Stages receive a typed `Config` object, never raw dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from distill.data.config import DataConfig
+from distill.errors import ConfigError, InputError
+from distill.evaluate.config import EvalConfig
+from distill.publish.config import PublishConfig
+from distill.schema import opt, section
+from distill.train.config import TrainConfig
+
+SECTIONS = ("run", "target", "draft", "data", "train", "eval", "publish")
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("distill", "Run name; names the run folder and the published draft.")
+    dir: str = opt("checkpoints/${run.name}", "Run folder (relative to the working directory).")
+    seed: int = opt(0, "Global random seed (data split order, sampling, init, training).", ge=0)
+    threads: int = opt(0, "torch intra-op threads in this process; 0 = leave torch's default.", ge=0)
+    log_level: Literal["debug", "info", "warning"] = opt("info", "Console log level (the log file is debug).")
+
+
+@dataclass
+class TargetConfig:
+    model: str = opt(
+        "smollm2-135m-instruct",
+        "The target LLM: a local HF folder, a hub id (online machines only) or a built-in alias "
+        "(smollm2-135m-instruct, tiny-llama).",
+    )
+    revision: str | None = opt(None, "Hub revision (branch, tag or commit) when `model` is a hub id.")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "Precision the target is run in (teacher forward passes, generation, eval)."
+    )
+    trust_remote_code: bool = opt(False, "Allow model code from the model folder/hub. Off: only built-in archs.")
+
+
+@dataclass
+class DraftConfig:
+    init: Literal["truncate", "pretrained", "config"] = opt(
+        "truncate",
+        "How the starting draft is built: `truncate` = the target's first `num_layers` layers + embeddings, "
+        "final norm and head; `pretrained` = the model at `draft.model`; `config` = a fresh Llama with the "
+        "sizes below on the target's tokenizer.",
+    )
+    model: str | None = opt(None, "Model reference for `init: pretrained` (folder, hub id or alias).")
+    num_layers: int = opt(2, "Decoder layers of the draft (`truncate` and `config`).", ge=1)
+    hidden_size: int = opt(256, "Hidden size for `init: config`.", ge=8)
+    intermediate_size: int = opt(768, "MLP width for `init: config`.", ge=8)
+    num_attention_heads: int = opt(4, "Attention heads for `init: config`.", ge=1)
+    num_key_value_heads: int = opt(2, "KV heads for `init: config` (must divide the heads).", ge=1)
+    tie_word_embeddings: bool | None = opt(
+        None, "Tie input embeddings and output head for `init: config`; null = as the target does."
+    )
+    trust_remote_code: bool = opt(False, "Allow model code shipped with a `pretrained` draft.")
+
+
+@dataclass
+class Config:
+    run: RunConfig = section(RunConfig, "Run identity and folder.")
+    target: TargetConfig = section(TargetConfig, "The model being accelerated (teacher).")
+    draft: DraftConfig = section(DraftConfig, "The draft model being distilled (student).")
+    data: DataConfig = section(DataConfig, "`distill data`: prompts -> target-generated training data.")
+    train: TrainConfig = section(TrainConfig, "`distill train`: knowledge distillation of the draft.")
+    eval: EvalConfig = section(EvalConfig, "`distill eval`: drafts inside vLLM speculative decoding.")
+    publish: PublishConfig = section(PublishConfig, "`distill publish`: versioned draft releases.")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Type checking of user values against the schema (before OmegaConf sees them, so all problems are listed).
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(get_args(tp)) == 2:
+            return True, args[0]
+    return False, tp
+
+
+def describe_type(tp: Any) -> str:
+    optional, inner = _is_optional(tp)
+    if optional:
+        return describe_type(inner) + " or null"
+    origin = get_origin(inner)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(inner))
+    if origin in (list, typing.List):  # noqa: UP006
+        return f"a list of {describe_type(get_args(inner)[0])}"
+    if dataclasses.is_dataclass(inner):
+        keys = ", ".join(f.name for f in dataclasses.fields(inner))
+        return f"a mapping with keys {{{keys}}}"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(inner, str(inner))
+
+
+def _value_ok(value: Any, tp: Any) -> bool:
+    optional, inner = _is_optional(tp)
+    if value is None:
+        return optional
+    origin = get_origin(inner)
+    if origin is Literal:
+        return value in get_args(inner)
+    if origin in (list, typing.List):  # noqa: UP006
+        return isinstance(value, (list, ListConfig))
+    if dataclasses.is_dataclass(inner):
+        return isinstance(value, (dict, DictConfig))
+    if inner is bool:
+        return isinstance(value, bool)
+    if inner is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if inner is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if inner is str:
+        return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    return True
+
+
+def _did_you_mean(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if close:
+        return f" Did you mean '{close[0]}'?"
+    return " Valid keys: " + ", ".join(candidates) + "."
+
+
+def _check_node(node: Any, cls: type, prefix: str, problems: list[str]) -> None:
+    if not isinstance(node, (dict, DictConfig)):
+        problems.append(f"{prefix or 'config'}: expected a mapping, got {node!r}.")
+        return
+    fields = _fields(cls)
+    hints = _hints(cls)
+    for key in node:
+        key = str(key)
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            problems.append(f"{dotted}: unknown key.{_did_you_mean(key, list(fields))}")
+            continue
+        tp = hints[key]
+        value = node[key] if not isinstance(node, DictConfig) else OmegaConf.to_container(node, resolve=False)[key]
+        if isinstance(value, str) and "${" in value:
+            continue  # interpolations are checked after resolution
+        _, inner = _is_optional(tp)
+        if dataclasses.is_dataclass(inner) and isinstance(value, (dict, DictConfig)):
+            _check_node(value, inner, dotted, problems)
+        elif not _value_ok(value, tp):
+            problems.append(f"{dotted}: got {value!r}, expected {describe_type(tp)}.")
+        elif get_origin(inner) in (list, typing.List) and value is not None:  # noqa: UP006
+            elem = get_args(inner)[0]
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(elem):
+                    _check_node(item, elem, f"{dotted}[{i}]", problems)
+                elif not _value_ok(item, elem):
+                    problems.append(f"{dotted}[{i}]: got {item!r}, expected {describe_type(elem)}.")
+
+
+def _check_ranges(obj: Any, prefix: str, problems: list[str]) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        dotted = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, dotted, problems)
+            check = getattr(value, "problems", None)
+            if callable(check):
+                problems.extend(f"{dotted}.{p}" for p in check())
+            continue
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    _check_ranges(item, f"{dotted}[{i}]", problems)
+        m = f.metadata
+        scalar_bounds = [(m.get("ge"), ">=", lambda v, b: v >= b), (m.get("gt"), ">", lambda v, b: v > b),
+                         (m.get("le"), "<=", lambda v, b: v <= b), (m.get("lt"), "<", lambda v, b: v < b)]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            for bound, op, ok in scalar_bounds:
+                if bound is not None and not ok(value, bound):
+                    problems.append(f"{dotted}: got {value}, must be {op} {bound}.")
+        if isinstance(value, list):
+            each = [(m.get("each_ge"), ">=", lambda v, b: v >= b), (m.get("each_gt"), ">", lambda v, b: v > b),
+                    (m.get("each_le"), "<=", lambda v, b: v <= b)]
+            for bound, op, ok in each:
+                if bound is None:
+                    continue
+                bad = [v for v in value if not ok(v, bound)]
+                if bad:
+                    problems.append(f"{dotted}: {bad} out of range, every value must be {op} {bound}.")
+
+
+def _section_problems(cfg: Config) -> list[str]:
+    problems: list[str] = []
+    _check_ranges(cfg, "", problems)
+    d = cfg.draft
+    if d.init == "pretrained" and not d.model:
+        problems.append("draft.model: required when draft.init is 'pretrained' (a folder, hub id or alias).")
+    if d.init == "config" and d.num_attention_heads % d.num_key_value_heads:
+        problems.append(
+            f"draft.num_key_value_heads: {d.num_key_value_heads} must divide draft.num_attention_heads "
+            f"({d.num_attention_heads})."
+        )
+    if d.init == "config" and d.hidden_size % d.num_attention_heads:
+        problems.append(
+            f"draft.hidden_size: {d.hidden_size} must be a multiple of draft.num_attention_heads "
+            f"({d.num_attention_heads})."
+        )
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _load_yaml(path: str | Path) -> DictConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"config file {p} not found. Pass an existing YAML, e.g. -c configs/tiny.yaml.")
+    try:
+        node = OmegaConf.load(p)
+    except Exception as exc:  # yaml.YAMLError and friends
+        raise InputError(f"config file {p} is not valid YAML: {exc}. Fix the syntax and rerun.") from exc
+    if node is None or isinstance(node, ListConfig):
+        raise InputError(f"config file {p} must be a mapping with sections {', '.join(SECTIONS)}.")
+    return node
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError([f"override '{item}': expected dotted.key=value (e.g. train.max_steps=10)."])
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError([f"overrides {overrides}: {exc}"]) from exc
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load, merge, type-check and validate. Raises `ConfigError` listing every problem."""
+    layers = []
+    if path is not None:
+        layers.append(_load_yaml(path))
+    layers.append(_parse_overrides(list(overrides)))
+    problems: list[str] = []
+    for layer in layers:
+        _check_node(layer, Config, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
+        OmegaConf.resolve(merged)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        raise ConfigError([f"{key}: {exc.msg if hasattr(exc, 'msg') else exc}"]) from exc
+    assert isinstance(cfg, Config)
+    problems = _section_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain dict of a config (or one section): safe to pickle, JSON-dump, or save in a checkpoint."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def config_hash(*parts: Any) -> str:
+    """Stable short hash of config sections (dataclasses or plain values)."""
+    payload = [to_dict(p) if dataclasses.is_dataclass(p) else p for p in parts]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Documentation, read from the schema (`distill docs`, README's config reference)
+
+
+def _default_repr(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        return "(required)"
+    if dataclasses.is_dataclass(value):
+        return ""
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+        value = [dataclasses.asdict(v) for v in value]
+    return json.dumps(value)
+
+
+def iter_docs(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, str, str]]:
+    """Yield (dotted key, type, default, help) for every key of the schema."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}.{f.name}" if prefix else f.name
+        _, inner = _is_optional(hints[f.name])
+        if dataclasses.is_dataclass(inner):
+            yield dotted, "section", "", f.metadata.get("help", "")
+            yield from iter_docs(inner, dotted)
+            continue
+        bounds = " ".join(
+            f"{sym} {f.metadata[k]}" for k, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"),
+                                                    ("each_ge", "each >="), ("each_gt", "each >"),
+                                                    ("each_le", "each <=")) if k in f.metadata
+        )
+        tp = describe_type(hints[f.name]) + (f" ({bounds})" if bounds else "")
+        yield dotted, tp, _default_repr(f), f.metadata.get("help", "")
+
+
+def docs_markdown(section_name: str | None = None) -> str:
+    lines = []
+    for key, tp, default, help_ in iter_docs():
+        if section_name and not (key == section_name or key.startswith(section_name + ".")):
+            continue
+        if tp == "section":
+            lines.append(f"\n### `{key}`\n\n{help_}\n\n| key | type | default | meaning |\n|---|---|---|---|")
+        else:
+            lines.append(f"| `{key}` | {tp} | `{default}` | {help_} |")
+    return "\n".join(lines).strip() + "\n"

@@ -1,0 +1,1 @@
+"""`distill data`: prompts -> target-generated distillation records (+ optional top-k teacher logits)."""

@@ -1,0 +1,56 @@
+"""Schema of the `data` section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from distill.schema import opt, section
+
+
+@dataclass
+class LogitsConfig:
+    top_k: int = opt(0, "Cache the target's top-k log-probs per response token (0 = off).", ge=0)
+
+
+@dataclass
+class DataConfig:
+    source: str = opt(
+        "sharegpt",
+        "Prompt source: built-in alias `sharegpt`, or a path to jsonl/json/parquet/csv or a saved `datasets` folder.",
+    )
+    prompt_field: str = opt(
+        "auto",
+        "Field holding the prompt: `prompt` (string), `messages` (chat list), `text`, or `auto` (first present).",
+    )
+    response_field: str = opt("auto", "Field holding the dataset's own response (for `responses: dataset`).")
+    val_fraction: float = opt(0.02, "Share of prompts (by text hash) in the `val` split.", ge=0.0, lt=1.0)
+    test_fraction: float = opt(0.02, "Share of prompts (by text hash) in the `test` split (used by eval).",
+                               ge=0.0, lt=1.0)
+    max_train_prompts: int = opt(2000, "Train prompts to use (0 = all).", ge=0)
+    max_val_prompts: int = opt(100, "Validation prompts to use (0 = all).", ge=0)
+    max_prompt_tokens: int = opt(256, "Prompts longer than this (after the chat template) are skipped.", ge=1)
+    max_new_tokens: int = opt(128, "Response length cap when the target generates.", ge=1)
+    temperature: float = opt(0.0, "Target sampling temperature for responses (0 = greedy).", ge=0.0)
+    top_p: float = opt(1.0, "Nucleus sampling for responses.", gt=0.0, le=1.0)
+    responses_per_prompt: int = opt(1, "Responses generated per prompt.", ge=1)
+    system_prompt: str | None = opt(None, "System message prepended to every prompt (null = none).")
+    engine: Literal["auto", "vllm", "hf"] = opt("auto", "Generation engine; `auto` = vLLM when installed.")
+    responses: Literal["generate", "dataset"] = opt(
+        "generate", "`generate` = target-written responses; `dataset` = keep the dataset's own responses."
+    )
+    batch_size: int = opt(64, "Prompts per generation batch (and per shard).", ge=1)
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism for generation.", ge=1)
+    data_parallel_size: int = opt(1, "vLLM data parallelism for generation.", ge=1)
+    shard_index: int = opt(0, "This job's shard of the prompts (several jobs build one dataset).", ge=0)
+    num_shards: int = opt(1, "Number of parallel data jobs.", ge=1)
+    overwrite: bool = opt(False, "Discard existing data built with another config instead of refusing.")
+    logits: LogitsConfig = section(LogitsConfig, "Optional compact cache of the target's top-k logits.")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.shard_index >= self.num_shards:
+            out.append(f"shard_index: {self.shard_index} must be < data.num_shards ({self.num_shards}).")
+        if self.val_fraction + self.test_fraction >= 1.0:
+            out.append("val_fraction: val_fraction + test_fraction must leave room for a train split (< 1).")
+        return out

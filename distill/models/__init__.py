@@ -1,0 +1,1 @@
+"""Model references (folders, hub ids, built-in aliases) and draft construction."""

@@ -1,0 +1,173 @@
+"""Draft construction (`draft.init`) and the draft/target vocabulary check.
+
+The check runs on tokenizers and configs only, before any weights load: speculative decoding compares token
+ids, so the draft must speak exactly the target's vocabulary. Embedding matrices padded to different sizes
+(151936 vs 152064) are fine as long as the tokenizers agree: we work on the shared tokenizer length.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from distill.config import Config
+from distill.errors import InputError
+from distill.models.resolve import resolve_model
+from distill.utils.fs import atomic_dir
+
+log = logging.getLogger("distill.models")
+
+
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
+    """Load safetensors weights only (`use_safetensors=True`: no pickle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, use_safetensors=True
+    )
+
+
+def check_same_vocab(target_tok: Any, draft_tok: Any, *, target_name: str, draft_name: str,
+                     key: str = "draft.model") -> int:
+    """Return the shared vocabulary length, or raise `InputError` naming both tokenizers."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        only_t = len(set(tv) - set(dv))
+        only_d = len(set(dv) - set(tv))
+        moved = sum(1 for t, i in tv.items() if t in dv and dv[t] != i)
+        raise InputError(
+            f"{key}: the draft's tokenizer ({draft_name}, {len(dv)} tokens) is not the target's ({target_name}, "
+            f"{len(tv)} tokens): {only_t} tokens only in the target, {only_d} only in the draft, {moved} with "
+            "different ids. Speculative decoding needs the same vocabulary: pick a draft from the target's "
+            "family, or use draft.init=truncate / draft.init=config (built on the target's tokenizer)."
+        )
+    if target_tok.eos_token_id != draft_tok.eos_token_id:
+        raise InputError(
+            f"{key}: the draft ({draft_name}) ends sequences with token {draft_tok.eos_token_id}, the target "
+            f"({target_name}) with {target_tok.eos_token_id}; give the draft the target's tokenizer."
+        )
+    return len(tv)
+
+
+def check_embedding_size(config: Any, vocab_len: int, *, name: str, key: str) -> None:
+    if int(config.vocab_size) < vocab_len:
+        raise InputError(
+            f"{key}: {name} has an embedding table of {config.vocab_size} rows but its tokenizer has {vocab_len} "
+            "tokens; the model folder is inconsistent."
+        )
+
+
+def preflight_draft(cfg: Config, target_dir: Path) -> Path | None:
+    """Validate the configured draft against the target without loading weights. Returns the draft folder
+    for `init: pretrained`, else None."""
+    target_cfg = load_model_config(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    d = cfg.draft
+    if d.init == "truncate":
+        n_target = int(target_cfg.num_hidden_layers)
+        if d.num_layers > n_target:
+            raise InputError(f"draft.num_layers: {d.num_layers} exceeds the target's {n_target} layers.")
+        return None
+    if d.init == "config":
+        return None
+    assert d.model is not None
+    draft_dir = resolve_model(d.model, key="draft.model")
+    target_tok = load_tokenizer(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    try:
+        draft_tok = load_tokenizer(draft_dir, trust_remote_code=d.trust_remote_code)
+    except Exception as exc:
+        raise InputError(f"draft.model: cannot load a tokenizer from {draft_dir} ({exc}).") from exc
+    vocab = check_same_vocab(target_tok, draft_tok, target_name=str(cfg.target.model), draft_name=str(d.model))
+    check_embedding_size(load_model_config(draft_dir, trust_remote_code=d.trust_remote_code), vocab,
+                         name=str(d.model), key="draft.model")
+    return draft_dir
+
+
+def _truncated_config(target_cfg: Any, num_layers: int) -> Any:
+    cfg = target_cfg.__class__.from_dict(target_cfg.to_dict())
+    cfg.num_hidden_layers = num_layers
+    # Hybrid-attention models list a type per layer; keep the first N so the config stays consistent.
+    layer_types = getattr(cfg, "layer_types", None)
+    if isinstance(layer_types, list):
+        cfg.layer_types = layer_types[:num_layers]
+    return cfg
+
+
+def build_initial_draft(cfg: Config, target_dir: Path) -> Any:
+    """The undistilled starting draft (float32, train mode off) as `draft.init` says."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    d = cfg.draft
+    tc = cfg.target.trust_remote_code
+    if d.init == "pretrained":
+        draft_dir = preflight_draft(cfg, target_dir)
+        assert draft_dir is not None
+        return load_causal_lm(draft_dir, trust_remote_code=d.trust_remote_code)
+    target_cfg = load_model_config(target_dir, trust_remote_code=tc)
+    if d.init == "truncate":
+        config = _truncated_config(target_cfg, d.num_layers)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(target_dir), config=config, dtype=torch.float32, trust_remote_code=tc, use_safetensors=True,
+            output_loading_info=True,
+        )
+        if info.get("missing_keys"):
+            raise RuntimeError(f"truncate init left weights uninitialised: {info['missing_keys'][:5]}")
+        model.eval()
+        return model
+    # init == "config": a fresh small Llama speaking the target's tokenizer.
+    tie = target_cfg.tie_word_embeddings if d.tie_word_embeddings is None else d.tie_word_embeddings
+    rope = getattr(target_cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    config = LlamaConfig(
+        vocab_size=target_cfg.vocab_size,
+        hidden_size=d.hidden_size,
+        intermediate_size=d.intermediate_size,
+        num_hidden_layers=d.num_layers,
+        num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads,
+        head_dim=d.hidden_size // d.num_attention_heads,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        rms_norm_eps=getattr(target_cfg, "rms_norm_eps", 1e-5),
+        rope_parameters=rope,
+        tie_word_embeddings=tie,
+        bos_token_id=target_cfg.bos_token_id,
+        eos_token_id=target_cfg.eos_token_id,
+        pad_token_id=getattr(target_cfg, "pad_token_id", None),
+    )
+    torch.manual_seed(cfg.run.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def save_hf_folder(model: Any, tokenizer: Any, out_dir: str | Path, *, generation_source: str | Path | None = None,
+                   replace: bool = True) -> Path:
+    """Atomically write `model` (safetensors) + tokenizer + generation config as an HF folder.
+
+    The tokenizer is always the target's, so vLLM and transformers load the draft with the same vocabulary.
+    """
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    with atomic_dir(out, replace=replace) as tmp:
+        if generation_source is not None:
+            try:
+                model.generation_config = GenerationConfig.from_pretrained(str(generation_source))
+            except OSError:
+                pass
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    return out

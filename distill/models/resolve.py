@@ -1,0 +1,75 @@
+"""Turn a model reference (local folder, built-in alias, hub id) into a local HF folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from distill.errors import InputError
+from distill.models.builtin import ALIASES, ensure_alias
+
+log = logging.getLogger("distill.models")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _looks_like_path(ref: str) -> bool:
+    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or ref.endswith(("/", ".safetensors"))
+
+
+def resolve_model(ref: str, *, key: str, revision: str | None = None, allow_download: bool = True) -> Path:
+    """Local HF folder for `ref`. `key` is the config key the reference came from (for error messages).
+
+    Raises `InputError` (exit 2) for missing folders, unknown aliases, and hub ids on an offline machine.
+    """
+    if not ref:
+        raise InputError(f"{key}: empty model reference; give a folder, a hub id or one of {sorted(ALIASES)}.")
+    if ref in ALIASES:
+        return ensure_alias(ref)
+    path = Path(ref).expanduser()
+    if path.exists():
+        if is_hf_folder(path):
+            return path
+        raise InputError(f"{key}: {path} is not a Hugging Face model folder (no config.json in it).")
+    if _looks_like_path(ref) or not _HUB_ID.match(ref):
+        raise InputError(
+            f"{key}: '{ref}' is neither an existing folder nor a built-in alias ({', '.join(sorted(ALIASES))}) "
+            "nor a hub id (org/name). Fix the path or use an alias."
+        )
+    return _from_hub(ref, key=key, revision=revision, allow_download=allow_download)
+
+
+def _offline_error(ref: str, key: str) -> InputError:
+    return InputError(
+        f"{key}: '{ref}' is a hub id, but this machine is offline (or the hub is unreachable). Download it on "
+        f"an online machine (`huggingface-cli download {ref} --local-dir DIR`), copy DIR here and set {key}=DIR, "
+        f"or use a built-in alias ({', '.join(sorted(ALIASES))})."
+    )
+
+
+def _from_hub(ref: str, *, key: str, revision: str | None, allow_download: bool) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - transformers depends on huggingface_hub
+        raise InputError(f"{key}: hub ids need huggingface_hub; install distill[hub].") from exc
+    try:  # already in the local HF cache?
+        return Path(snapshot_download(ref, revision=revision, local_files_only=True, allow_patterns=_HUB_PATTERNS))
+    except Exception:
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    if offline or not allow_download:
+        raise _offline_error(ref, key)
+    try:
+        log.info("downloading %s from the hub (token from HF_TOKEN if set)", ref)
+        return Path(snapshot_download(ref, revision=revision, allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:
+        if type(exc).__name__ in ("RepositoryNotFoundError", "RevisionNotFoundError", "GatedRepoError"):
+            raise InputError(f"{key}: hub repository '{ref}' not found or not accessible ({exc}).") from exc
+        raise _offline_error(ref, key) from exc

@@ -1,0 +1,1 @@
+"""Prompt sources: the built-in ShareGPT alias and user files, split deterministically."""

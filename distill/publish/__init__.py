@@ -1,0 +1,1 @@
+"""`distill publish`: versioned draft releases with a model card carrying measured results."""

