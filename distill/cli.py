@@ -14,7 +14,6 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 
 from distill import __version__
@@ -69,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("-c", "--config", required=True, help="YAML config (see configs/)")
         sp.add_argument("overrides", nargs="*", help="dotted.key=value overrides (OmegaConf dotlist)")
     dp = sub.add_parser("docs", help="print the documentation of every config key (from the schema)")
-    dp.add_argument("section", nargs="?", help="only this section (run, target, draft, data, train, eval, publish)")
+    dp.add_argument(
+        "section", nargs="?", help="only this section (run, target, draft, data, train, eval, publish)"
+    )
     return p
 
 
@@ -130,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}{_log_path_hint() if exc.exit_code == EXIT_RUNTIME else ''}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("interrupted; state saved where the stage supports it — rerun the same command to resume.",
-              file=sys.stderr)
+        print(
+            "interrupted; state saved where the stage supports it — rerun the same command to resume.",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug or an unexpected runtime failure: message + log path, traceback in log
         log.debug("unexpected failure:\n%s", traceback.format_exc())

@@ -50,7 +50,9 @@ class TargetConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = opt(
         "float32", "Precision the target is run in (teacher forward passes, generation, eval)."
     )
-    trust_remote_code: bool = opt(False, "Allow model code from the model folder/hub. Off: only built-in archs.")
+    trust_remote_code: bool = opt(
+        False, "Allow model code from the model folder/hub. Off: only built-in archs."
+    )
 
 
 @dataclass
@@ -153,7 +155,7 @@ def _did_you_mean(key: str, candidates: list[str]) -> str:
     return " Valid keys: " + ", ".join(candidates) + "."
 
 
-def _check_node(node: Any, cls: type, prefix: str, problems: list[str]) -> None:
+def _check_node(node: Any, cls: Any, prefix: str, problems: list[str]) -> None:
     if not isinstance(node, (dict, DictConfig)):
         problems.append(f"{prefix or 'config'}: expected a mapping, got {node!r}.")
         return
@@ -166,7 +168,7 @@ def _check_node(node: Any, cls: type, prefix: str, problems: list[str]) -> None:
             problems.append(f"{dotted}: unknown key.{_did_you_mean(key, list(fields))}")
             continue
         tp = hints[key]
-        value = node[key] if not isinstance(node, DictConfig) else OmegaConf.to_container(node, resolve=False)[key]
+        value = node[key]
         if isinstance(value, str) and "${" in value:
             continue  # interpolations are checked after resolution
         _, inner = _is_optional(tp)
@@ -198,15 +200,22 @@ def _check_ranges(obj: Any, prefix: str, problems: list[str]) -> None:
                 if dataclasses.is_dataclass(item):
                     _check_ranges(item, f"{dotted}[{i}]", problems)
         m = f.metadata
-        scalar_bounds = [(m.get("ge"), ">=", lambda v, b: v >= b), (m.get("gt"), ">", lambda v, b: v > b),
-                         (m.get("le"), "<=", lambda v, b: v <= b), (m.get("lt"), "<", lambda v, b: v < b)]
+        scalar_bounds = [
+            (m.get("ge"), ">=", lambda v, b: v >= b),
+            (m.get("gt"), ">", lambda v, b: v > b),
+            (m.get("le"), "<=", lambda v, b: v <= b),
+            (m.get("lt"), "<", lambda v, b: v < b),
+        ]
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             for bound, op, ok in scalar_bounds:
                 if bound is not None and not ok(value, bound):
                     problems.append(f"{dotted}: got {value}, must be {op} {bound}.")
         if isinstance(value, list):
-            each = [(m.get("each_ge"), ">=", lambda v, b: v >= b), (m.get("each_gt"), ">", lambda v, b: v > b),
-                    (m.get("each_le"), "<=", lambda v, b: v <= b)]
+            each = [
+                (m.get("each_ge"), ">=", lambda v, b: v >= b),
+                (m.get("each_gt"), ">", lambda v, b: v > b),
+                (m.get("each_le"), "<=", lambda v, b: v <= b),
+            ]
             for bound, op, ok in each:
                 if bound is None:
                     continue
@@ -269,7 +278,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     layers.append(_parse_overrides(list(overrides)))
     problems: list[str] = []
     for layer in layers:
-        _check_node(layer, Config, "", problems)
+        _check_node(OmegaConf.to_container(layer, resolve=False), Config, "", problems)
     if problems:
         raise ConfigError(problems)
     try:
@@ -321,7 +330,7 @@ def _default_repr(f: dataclasses.Field) -> str:
     return json.dumps(value)
 
 
-def iter_docs(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, str, str]]:
+def iter_docs(cls: Any = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, str, str]]:
     """Yield (dotted key, type, default, help) for every key of the schema."""
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
@@ -332,9 +341,17 @@ def iter_docs(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str
             yield from iter_docs(inner, dotted)
             continue
         bounds = " ".join(
-            f"{sym} {f.metadata[k]}" for k, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"),
-                                                    ("each_ge", "each >="), ("each_gt", "each >"),
-                                                    ("each_le", "each <=")) if k in f.metadata
+            f"{sym} {f.metadata[k]}"
+            for k, sym in (
+                ("ge", ">="),
+                ("gt", ">"),
+                ("le", "<="),
+                ("lt", "<"),
+                ("each_ge", "each >="),
+                ("each_gt", "each >"),
+                ("each_le", "each <="),
+            )
+            if k in f.metadata
         )
         tp = describe_type(hints[f.name]) + (f" ({bounds})" if bounds else "")
         yield dotted, tp, _default_repr(f), f.metadata.get("help", "")

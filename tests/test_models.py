@@ -38,7 +38,11 @@ def test_hub_id_offline_gives_clear_error(monkeypatch, tmp_path):
     with pytest.raises(InputError) as e:
         resolve_model("someorg/some-model", key="target.model")
     msg = str(e.value)
-    assert "offline" in msg and "target.model=DIR" in msg and "huggingface-cli download someorg/some-model" in msg
+    assert (
+        "offline" in msg
+        and "target.model=DIR" in msg
+        and "huggingface-cli download someorg/some-model" in msg
+    )
 
 
 def test_alias_builds_once_then_reuses(isolated_cache, monkeypatch):
@@ -50,7 +54,9 @@ def test_alias_builds_once_then_reuses(isolated_cache, monkeypatch):
         real(out)
 
     alias = builtin.ALIASES["tiny-llama"]
-    monkeypatch.setitem(builtin.ALIASES, "tiny-llama", builtin.Alias(alias.name, alias.version, counting, alias.describe))
+    monkeypatch.setitem(
+        builtin.ALIASES, "tiny-llama", builtin.Alias(alias.name, alias.version, counting, alias.describe)
+    )
     first = ensure_alias("tiny-llama")
     second = resolve_model("tiny-llama", key="target.model")
     assert first == second and len(calls) == 1
@@ -84,7 +90,9 @@ def test_failed_build_leaves_no_entry(isolated_cache, monkeypatch):
     with pytest.raises(RuntimeError):
         ensure_alias("tiny-llama")
     models_dir = isolated_cache / "models"
-    assert not any(p.name.startswith("tiny-llama-v1") and not p.name.endswith(".lock") for p in models_dir.iterdir())
+    assert not any(
+        p.name.startswith("tiny-llama-v1") and not p.name.endswith(".lock") for p in models_dir.iterdir()
+    )
 
 
 def _cfg(target_dir, tmp_path, *extra):
@@ -99,8 +107,13 @@ def test_truncate_init_copies_the_targets_first_layers(tiny_target_dir, tmp_path
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     assert draft.config.num_hidden_layers == 2
     d, t = draft.state_dict(), target.state_dict()
-    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-                 "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    ):
         assert torch.equal(d[name], t[name]), name
     assert not any(k.startswith("model.layers.2.") for k in d)
 
@@ -112,8 +125,16 @@ def test_truncate_deeper_than_target_is_refused(tiny_target_dir, tmp_path):
 
 
 def test_config_init_builds_fresh_llama_on_target_vocab(tiny_target_dir, tmp_path):
-    cfg = _cfg(tiny_target_dir, tmp_path, "draft.init=config", "draft.num_layers=1", "draft.hidden_size=64",
-               "draft.intermediate_size=128", "draft.num_attention_heads=2", "draft.num_key_value_heads=1")
+    cfg = _cfg(
+        tiny_target_dir,
+        tmp_path,
+        "draft.init=config",
+        "draft.num_layers=1",
+        "draft.hidden_size=64",
+        "draft.intermediate_size=128",
+        "draft.num_attention_heads=2",
+        "draft.num_key_value_heads=1",
+    )
     draft = build_initial_draft(cfg, tiny_target_dir)
     assert draft.config.vocab_size == 512 and draft.config.hidden_size == 64
     assert draft.config.eos_token_id == 2
@@ -139,7 +160,9 @@ def test_padded_embedding_table_is_tolerated(tiny_target_dir, tiny_tokenizer, tm
     model.save_pretrained(padded)
     cfg = _cfg(tiny_target_dir, tmp_path, "draft.init=pretrained", f"draft.model={padded}")
     assert preflight_draft(cfg, tiny_target_dir) == padded
-    n = check_same_vocab(load_tokenizer(tiny_target_dir), load_tokenizer(padded), target_name="t", draft_name="d")
+    n = check_same_vocab(
+        load_tokenizer(tiny_target_dir), load_tokenizer(padded), target_name="t", draft_name="d"
+    )
     assert n == len(tiny_tokenizer)
     draft = build_initial_draft(cfg, tiny_target_dir)
     assert draft.config.vocab_size == 576
@@ -158,8 +181,9 @@ def test_smollm2_gguf_conversion_round_trip():
         assert (folder / name).is_file()
     tok = AutoTokenizer.from_pretrained(folder)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(text, return_tensors="pt").input_ids
     gguf = builtin.locate_smollm2_gguf()
     ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

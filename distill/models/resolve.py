@@ -30,7 +30,9 @@ def resolve_model(ref: str, *, key: str, revision: str | None = None, allow_down
     Raises `InputError` (exit 2) for missing folders, unknown aliases, and hub ids on an offline machine.
     """
     if not ref:
-        raise InputError(f"{key}: empty model reference; give a folder, a hub id or one of {sorted(ALIASES)}.")
+        raise InputError(
+            f"{key}: empty model reference; give a folder, a hub id or one of {sorted(ALIASES)}."
+        )
     if ref in ALIASES:
         return ensure_alias(ref)
     path = Path(ref).expanduser()
@@ -60,7 +62,9 @@ def _from_hub(ref: str, *, key: str, revision: str | None, allow_download: bool)
     except ImportError as exc:  # pragma: no cover - transformers depends on huggingface_hub
         raise InputError(f"{key}: hub ids need huggingface_hub; install distill[hub].") from exc
     try:  # already in the local HF cache?
-        return Path(snapshot_download(ref, revision=revision, local_files_only=True, allow_patterns=_HUB_PATTERNS))
+        return Path(
+            snapshot_download(ref, revision=revision, local_files_only=True, allow_patterns=_HUB_PATTERNS)
+        )
     except Exception:
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")

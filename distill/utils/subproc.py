@@ -52,8 +52,14 @@ def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_worker(job: dict[str, Any], *, log_path: Path, timeout_s: float, env: Mapping[str, str] | None = None,
-               what: str = "vLLM worker") -> dict[str, Any]:
+def run_worker(
+    job: dict[str, Any],
+    *,
+    log_path: Path,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    what: str = "vLLM worker",
+) -> dict[str, Any]:
     """Run `python -m distill.vllm_worker` on `job`; return its result dict.
 
     Raises `RuntimeFailure` with the worker's log tail when it crashes, exits non-zero or exceeds `timeout_s`
@@ -66,8 +72,9 @@ def run_worker(job: dict[str, Any], *, log_path: Path, timeout_s: float, env: Ma
         cmd = [sys.executable, "-m", "distill.vllm_worker", str(job_file), str(result_file)]
         start = time.monotonic()
         with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=worker_env(env),
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, env=worker_env(env), start_new_session=True
+            )
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
