@@ -306,6 +306,27 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return out  # type: ignore[return-value]
 
 
+def output_view(section_obj: Any) -> Any:
+    """Plain dict of a config section without its `run_only` keys (recursively)."""
+    if not dataclasses.is_dataclass(section_obj):
+        return section_obj
+    out = {}
+    for f in dataclasses.fields(section_obj):
+        if f.metadata.get("run_only"):
+            continue
+        value = getattr(section_obj, f.name)
+        out[f.name] = output_view(value) if dataclasses.is_dataclass(value) else to_plain(value)
+    return out
+
+
+def to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    if isinstance(value, list):
+        return [to_plain(v) for v in value]
+    return value
+
+
 def config_hash(*parts: Any) -> str:
     """Stable short hash of config sections (dataclasses or plain values)."""
     payload = [to_dict(p) if dataclasses.is_dataclass(p) else p for p in parts]

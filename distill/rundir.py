@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from distill.config import Config, config_hash, to_dict, to_yaml
+from distill.config import Config, config_hash, output_view, to_dict, to_yaml
 from distill.utils.fs import atomic_write_json, atomic_write_text, read_json
 
 log = logging.getLogger("distill")
@@ -50,7 +50,7 @@ _PACKAGES = (
 def stage_hash(cfg: Config, stage: str) -> str:
     sections = STAGE_INPUTS[stage]
     # run.seed shapes every stage's output; run.name/dir/threads/log_level do not.
-    return config_hash(cfg.run.seed, *(getattr(cfg, s) for s in sections))
+    return config_hash(cfg.run.seed, *(output_view(getattr(cfg, s)) for s in sections))
 
 
 def git_sha() -> str | None:

@@ -22,8 +22,13 @@ def opt(
     each_ge: float | None = None,
     each_gt: float | None = None,
     each_le: float | None = None,
+    run_only: bool = False,
 ) -> Any:
-    """A documented config field. `each_*` bound every element of a list field."""
+    """A documented config field. `each_*` bound every element of a list field.
+
+    `run_only=True` marks keys that change how a stage runs but not what it produces (timeouts, overwrite
+    flags, parallelism): they are left out of the config hash that decides whether a stage is complete.
+    """
     meta = {
         "help": help,
         "ge": ge,
@@ -33,6 +38,7 @@ def opt(
         "each_ge": each_ge,
         "each_gt": each_gt,
         "each_le": each_le,
+        "run_only": run_only or None,
     }
     meta = {k: v for k, v in meta.items() if v is not None}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):

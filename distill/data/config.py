@@ -11,6 +11,12 @@ from distill.schema import opt, section
 @dataclass
 class LogitsConfig:
     top_k: int = opt(0, "Cache the target's top-k log-probs per response token (0 = off).", ge=0)
+    batch_size: int = opt(
+        8, "Sequences per teacher forward pass when building the cache.", ge=1, run_only=True
+    )
+    codec: Literal["zlib", "lzma", "none"] = opt(
+        "lzma", "Compressor of the cache (after delta coding); zlib is faster to write and read, ~8% larger."
+    )
 
 
 @dataclass
@@ -25,8 +31,9 @@ class DataConfig:
     )
     response_field: str = opt("auto", "Field holding the dataset's own response (for `responses: dataset`).")
     val_fraction: float = opt(0.02, "Share of prompts (by text hash) in the `val` split.", ge=0.0, lt=1.0)
-    test_fraction: float = opt(0.02, "Share of prompts (by text hash) in the `test` split (used by eval).",
-                               ge=0.0, lt=1.0)
+    test_fraction: float = opt(
+        0.02, "Share of prompts (by text hash) in the `test` split (used by eval).", ge=0.0, lt=1.0
+    )
     max_train_prompts: int = opt(2000, "Train prompts to use (0 = all).", ge=0)
     max_val_prompts: int = opt(100, "Validation prompts to use (0 = all).", ge=0)
     max_prompt_tokens: int = opt(256, "Prompts longer than this (after the chat template) are skipped.", ge=1)
@@ -39,12 +46,41 @@ class DataConfig:
     responses: Literal["generate", "dataset"] = opt(
         "generate", "`generate` = target-written responses; `dataset` = keep the dataset's own responses."
     )
-    batch_size: int = opt(64, "Prompts per generation batch (and per shard).", ge=1)
-    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism for generation.", ge=1)
-    data_parallel_size: int = opt(1, "vLLM data parallelism for generation.", ge=1)
-    shard_index: int = opt(0, "This job's shard of the prompts (several jobs build one dataset).", ge=0)
+    batch_size: int = opt(
+        64, "Prompts per generation batch; also the unit of resumption (one atomic chunk each).", ge=1
+    )
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism for generation.", ge=1, run_only=True)
+    data_parallel_size: int = opt(
+        1,
+        "vLLM data parallelism: this many engines, each on tensor_parallel_size GPUs, split the chunks.",
+        ge=1,
+        run_only=True,
+    )
+    shard_index: int = opt(
+        0, "This job's shard of the prompts (several jobs build one dataset).", ge=0, run_only=True
+    )
     num_shards: int = opt(1, "Number of parallel data jobs.", ge=1)
-    overwrite: bool = opt(False, "Discard existing data built with another config instead of refusing.")
+    overwrite: bool = opt(
+        False, "Discard existing data built with another config instead of refusing.", run_only=True
+    )
+    merge: bool = opt(
+        False,
+        "Only join the shards of a sharded build (num_shards > 1) into the final dataset; no generation. "
+        "The job that finishes last merges automatically; this is for rerunning the merge by hand.",
+        run_only=True,
+    )
+    vllm_kvcache_gib: int = opt(
+        4, "KV-cache size for vLLM on CPU (VLLM_CPU_KVCACHE_SPACE, GiB).", ge=1, run_only=True
+    )
+    vllm_gpu_memory_utilization: float = opt(
+        0.85, "Share of GPU memory vLLM may use (GPU only).", gt=0.0, le=1.0, run_only=True
+    )
+    worker_timeout_s: float = opt(
+        172800.0,
+        "Stop the vLLM generation worker after this many seconds (the work done so far is kept).",
+        gt=0.0,
+        run_only=True,
+    )
     logits: LogitsConfig = section(LogitsConfig, "Optional compact cache of the target's top-k logits.")
 
     def problems(self) -> list[str]:

@@ -1,0 +1,165 @@
+"""Data-stage benchmark on the embedded default (SmolLM2-135M-Instruct target, ShareGPT prompts).
+
+1. Generation speed: the same prompts through `distill data` with `data.engine=vllm` and `data.engine=hf`
+   (greedy, float32); tokens/s of each (from the manifests) and the ratio vLLM / hf.
+2. Teacher cache size: bytes per cached token at k = 16, 64, 128 for each codec, next to the naive layout
+   (uint16 ids + fp16 log-probs + fp32 rest = 4k + 4 bytes) and DistillKit's ~300 B/token at k=128.
+
+    .venv/bin/python -m bench.bench_data --prompts 64 --out bench/results/data.json
+    .venv/bin/python -m bench.bench_data --skip-vllm --prompts 16 --max-new-tokens 64   # quick
+
+Slow: vLLM start-up alone is 1-2 minutes on a busy 2-core CPU. Every figure printed is measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "smollm2-sharegpt.yaml")
+
+
+def run_stage(run_dir: Path, engine: str, args: argparse.Namespace) -> dict[str, Any]:
+    from distill.cli import main
+
+    overrides = [
+        f"run.dir={run_dir}",
+        f"data.engine={engine}",
+        f"data.max_train_prompts={args.prompts}",
+        "data.max_val_prompts=1",
+        f"data.max_new_tokens={args.max_new_tokens}",
+        f"data.batch_size={args.batch_size}",
+        "data.temperature=0",
+        f"target.dtype={args.dtype}",
+    ]
+    t0 = time.perf_counter()
+    rc = main(["data", "-c", CONFIG, *overrides])
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"distill data with engine={engine} failed (exit {rc})")
+    manifest = json.loads((run_dir / "data" / "manifest.json").read_text())
+    tr = manifest["splits"]["train"]
+    return {
+        "engine": engine,
+        "engine_version": manifest["engine_version"],
+        "prompts": tr["prompts_used"],
+        "response_tokens": tr["response_tokens"] + manifest["splits"]["val"]["response_tokens"],
+        "generation_s": manifest["generation_s"],
+        "tokens_per_s": manifest["generation_tokens_per_s"],
+        "wall_s_including_startup": round(wall, 2),
+    }
+
+
+def agreement(a: Path, b: Path) -> float:
+    from distill.data.format import load_split_dataset
+
+    x, y = load_split_dataset(a, "train"), load_split_dataset(b, "train")
+    same = sum(p == q for p, q in zip(x["input_ids"], y["input_ids"], strict=True))
+    return same / max(len(x), 1)
+
+
+def cache_sizes(run_dir: Path, ks: list[int], codecs: list[str], max_rows: int) -> list[dict[str, Any]]:
+    import torch
+
+    from distill.data.cache import encode_rows, topk_rows
+    from distill.data.format import load_split_dataset
+    from distill.models.draft import load_causal_lm
+    from distill.models.resolve import resolve_model
+
+    target = resolve_model("smollm2-135m-instruct", key="target.model")
+    model = load_causal_lm(target).eval()
+    ds = load_split_dataset(run_dir, "train").select(
+        range(min(max_rows, len(load_split_dataset(run_dir, "train"))))
+    )
+    seqs, masks = list(ds["input_ids"]), list(ds["loss_mask"])
+    vocab = int(model.config.vocab_size)
+    out = []
+    for k in ks:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            rows = topk_rows(
+                model, seqs, masks, k=k, batch_size=4, pad_id=int(model.config.eos_token_id or 0)
+            )
+        forward_s = time.perf_counter() - t0
+        tokens = sum(int(r[0].shape[0]) for r in rows)
+        for codec in codecs:
+            t1 = time.perf_counter()
+            blobs, _ = encode_rows(rows, vocab_size=vocab, codec=codec)
+            enc_s = time.perf_counter() - t1
+            size = sum(len(b) for b in blobs)
+            out.append(
+                {
+                    "k": k,
+                    "codec": codec,
+                    "tokens": tokens,
+                    "bytes": size,
+                    "bytes_per_token": round(size / tokens, 1),
+                    "naive_bytes_per_token": 4 * k + 4,
+                    "encode_s": round(enc_s, 3),
+                    "forward_s": round(forward_s, 2),
+                }
+            )
+            print(
+                f"k={k:4d} {codec:5s}: {size / tokens:7.1f} B/token (naive {4 * k + 4}), "
+                f"encode {enc_s:.2f} s",
+                flush=True,
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--ks", default="16,64,128")
+    p.add_argument("--codecs", default="zlib,lzma")
+    p.add_argument("--cache-rows", type=int, default=32, help="sequences used for the cache-size measurement")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
+        work = args.workdir or Path(tmp)
+        results: dict[str, Any] = {
+            "config": CONFIG,
+            "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "dtype": args.dtype,
+            "host_cpus": os.cpu_count(),
+        }
+        hf = run_stage(work / "hf", "hf", args)
+        results["hf"] = hf
+        print(f"hf:   {hf['tokens_per_s']} tokens/s ({hf['response_tokens']} tokens)", flush=True)
+        if not args.skip_vllm:
+            vl = run_stage(work / "vllm", "vllm", args)
+            results["vllm"] = vl
+            results["vllm_over_hf"] = round(vl["tokens_per_s"] / hf["tokens_per_s"], 2)
+            results["greedy_agreement"] = round(agreement(work / "vllm", work / "hf"), 3)
+            print(
+                f"vllm: {vl['tokens_per_s']} tokens/s -> ratio {results['vllm_over_hf']}x; "
+                f"identical responses {results['greedy_agreement']:.0%}",
+                flush=True,
+            )
+        ks = [int(k) for k in args.ks.split(",")]
+        results["cache"] = cache_sizes(work / "hf", ks, args.codecs.split(","), args.cache_rows)
+        results["distillkit_reference_bytes_per_token_k128"] = 300
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Teacher top-k cache: one batched, no-grad target forward pass per group of sequences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from distill.data.format import encode_row, topk_from_logits
+
+
+def _batch_topk(
+    model: Any, seqs: list[list[int]], masks: list[list[int]], k: int, pad_id: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Top-k for a batch of sequences (right padded). Only the response span's logits are computed."""
+    lengths = [len(s) for s in seqs]
+    width = max(lengths)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+    # The first response token of any row is at index >= lo + 1, so logits before `lo` are never needed.
+    lo = min(m.index(1) for m in masks) - 1
+    keep = torch.arange(lo, width)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits  # [B, width - lo, V]
+    out = []
+    for i, m in enumerate(masks):
+        sub_mask = torch.zeros(width - lo, dtype=torch.long)
+        sub_mask[: len(m) - lo] = torch.tensor(m[lo:])
+        out.append(topk_from_logits(logits[i], sub_mask, k))
+    return out
+
+
+def topk_rows(
+    model: Any, seqs: list[list[int]], masks: list[list[int]], *, k: int, batch_size: int, pad_id: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(ids [R, k], logprobs [R, k], rest [R]) for every sequence, in order."""
+    out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    # Length-sorted batches waste less compute on padding; results are put back in input order.
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    by_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        res = _batch_topk(model, [seqs[i] for i in idx], [masks[i] for i in idx], k, pad_id)
+        by_index.update(zip(idx, res, strict=True))
+    out = [by_index[i] for i in range(len(seqs))]
+    return out
+
+
+def encode_rows(
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, vocab_size: int, codec: str
+) -> tuple[list[bytes], list[int]]:
+    blobs, counts = [], []
+    for ids, lp, rest in rows:
+        blobs.append(encode_row(ids.numpy(), lp.numpy(), rest.numpy(), vocab_size=vocab_size, codec=codec))
+        counts.append(int(ids.shape[0]))
+    return blobs, counts

@@ -1,0 +1,126 @@
+"""Prompts -> chat-templated token ids, filtered by length, sharded deterministically into chunks."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distill.data.config import DataConfig
+from distill.errors import InputError
+from distill.prompts.sources import PromptRecord, load_prompts, split_prompts
+
+SPLITS = ("train", "val")
+
+
+@dataclass
+class Prompt:
+    prompt_id: str
+    token_ids: list[int]
+    response: str | None  # the dataset's own response (for `responses: dataset`)
+
+
+@dataclass
+class SplitPrompts:
+    split: str
+    prompts: list[Prompt]  # usable prompts of the whole split (all shards), in a stable order
+    loaded: int  # prompts of the split after the limit, before filtering
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+def require_chat_template(tok: Any, model_ref: str) -> None:
+    if not getattr(tok, "chat_template", None):
+        raise InputError(
+            f"target.model: the tokenizer of {model_ref} has no chat template, and the data stage formats prompts "
+            "as chat turns. Use an instruct/chat model (e.g. smollm2-135m-instruct), or add a `chat_template` "
+            "to its tokenizer_config.json."
+        )
+
+
+def prompt_token_ids(tok: Any, rec: PromptRecord, system_prompt: str | None) -> list[int]:
+    messages = list(rec.messages)
+    if system_prompt and not (messages and messages[0].get("role") == "system"):
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _limit(cfg: DataConfig, split: str) -> int:
+    return cfg.max_train_prompts if split == "train" else cfg.max_val_prompts
+
+
+def load_splits(cfg: DataConfig, tok: Any) -> dict[str, SplitPrompts]:
+    """Both splits, tokenised and filtered (too long, missing dataset response). Raises InputError when empty."""
+    pset = load_prompts(
+        cfg.source, prompt_field=cfg.prompt_field, response_field=cfg.response_field, key="data.source"
+    )
+    by_split = split_prompts(pset.records, val_fraction=cfg.val_fraction, test_fraction=cfg.test_fraction)
+    out = {}
+    for split in SPLITS:
+        chosen = sorted(by_split[split], key=lambda r: r.prompt_id)
+        limit = _limit(cfg, split)
+        chosen = chosen[:limit] if limit else chosen
+        sp = SplitPrompts(split, [], len(chosen))
+        for rec in chosen:
+            if cfg.responses == "dataset" and not rec.response:
+                sp.skipped["no_dataset_response"] = sp.skipped.get("no_dataset_response", 0) + 1
+                continue
+            ids = prompt_token_ids(tok, rec, cfg.system_prompt)
+            if len(ids) > cfg.max_prompt_tokens:
+                sp.skipped["too_long"] = sp.skipped.get("too_long", 0) + 1
+                continue
+            sp.prompts.append(Prompt(rec.prompt_id, ids, rec.response))
+        out[split] = sp
+    _check_not_empty(cfg, out["train"])
+    return out
+
+
+def _check_not_empty(cfg: DataConfig, train: SplitPrompts) -> None:
+    if train.prompts:
+        return
+    if train.loaded == 0:
+        raise InputError(
+            f"data.source: no train prompts in '{cfg.source}' after the split (val_fraction={cfg.val_fraction}, "
+            f"test_fraction={cfg.test_fraction}). Add prompts or lower data.val_fraction / data.test_fraction."
+        )
+    reasons = ", ".join(f"{n} {why}" for why, n in train.skipped.items())
+    fix = (
+        "raise data.max_prompt_tokens"
+        if "too_long" in train.skipped
+        else "use data.responses=generate or a source with responses (data.response_field)"
+    )
+    raise InputError(
+        f"data.max_prompt_tokens: all {train.loaded} train prompts were skipped ({reasons}); {fix}."
+    )
+
+
+def shard_slice(n: int, shard_index: int, num_shards: int) -> tuple[int, int]:
+    """Contiguous block of `n` items for one shard: concatenating the shards in order gives the whole list."""
+    return n * shard_index // num_shards, n * (shard_index + 1) // num_shards
+
+
+def chunks_of(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
+    return [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+
+
+def request_seed(run_seed: int, prompt_id: str) -> int:
+    """Per-prompt sampling seed: the sample does not depend on batching, sharding or resumes."""
+    digest = hashlib.sha256(f"{run_seed}:{prompt_id}".encode()).hexdigest()
+    return int(digest[:8], 16)
+
+
+def tokenizer_hash(model_dir: Path, tok: Any) -> str:
+    h = hashlib.sha256()
+    files = [
+        model_dir / n
+        for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+    ]
+    present = [p for p in files if p.is_file()]
+    if present:
+        for p in present:
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    else:
+        h.update(repr(sorted(tok.get_vocab().items())).encode())
+    return h.hexdigest()[:16]

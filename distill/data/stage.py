@@ -1,0 +1,697 @@
+"""`distill data`: prompts -> target-written responses (vLLM or transformers) -> `run_dir/data/{train,val}`.
+
+Load and validate (nothing written on bad input) -> plan chunks of this job's shard -> generate missing chunks
+-> assemble records (+ top-k teacher cache) per chunk, each written atomically -> when every shard is in, merge
+into `datasets` folders + `manifest.json`. A killed run resumes at the first missing chunk; a finished run with
+the same config does nothing. Sharded builds (`data.num_shards` = S): run S jobs with `data.shard_index` =
+0..S-1 (same run.dir, e.g. on a shared disk); the job that finishes last merges, or run the merge by hand
+with `distill data -c CONFIG data.num_shards=S data.merge=true`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distill.config import Config, config_hash, output_view, to_dict
+from distill.data import store
+from distill.data.config import DataConfig
+from distill.data.engines import (
+    dataset_responses,
+    eos_ids,
+    from_vllm,
+    hf_generate,
+    vllm_env,
+    vllm_job,
+)
+from distill.data.format import CacheMeta, data_dir
+from distill.data.prepare import (
+    SPLITS,
+    Prompt,
+    SplitPrompts,
+    chunks_of,
+    load_splits,
+    require_chat_template,
+    shard_slice,
+    tokenizer_hash,
+)
+from distill.errors import InputError, RuntimeFailure
+from distill.utils.fs import atomic_write_json, read_json, remove_stale_temporaries
+
+log = logging.getLogger("distill.data")
+
+# Keys that change how a build runs, not what it produces: they may differ between reruns and shard jobs.
+
+
+@dataclass
+class Context:
+    cfg: Config
+    target_dir: Path
+    tok: Any
+    engine: str  # "vllm" | "hf" | "dataset"
+    data_hash: str
+    base: Path
+    model: Any = None  # the target in transformers, loaded on first need
+
+    @property
+    def d(self) -> DataConfig:
+        return self.cfg.data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def output_config(cfg: Config) -> dict[str, Any]:
+    """The config that decides this stage's output (the schema's `run_only` keys left out)."""
+    return {"seed": cfg.run.seed, "target": to_dict(cfg.target), "data": output_view(cfg.data)}
+
+
+def data_hash(cfg: Config) -> str:
+    return config_hash(output_config(cfg))
+
+
+def choose_engine(d: DataConfig) -> str:
+    from distill.utils.subproc import require_vllm, vllm_available
+
+    if d.responses == "dataset":
+        return "dataset"
+    if d.engine == "vllm":
+        require_vllm("data.engine")
+        return "vllm"
+    if d.engine == "auto":
+        return "vllm" if vllm_available() else "hf"
+    return "hf"
+
+
+def check_lengths(cfg: Config, target_dir: Path) -> None:
+    from distill.models.draft import load_model_config
+
+    mc = load_model_config(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    limit = getattr(mc, "max_position_embeddings", None)
+    need = cfg.data.max_prompt_tokens + cfg.data.max_new_tokens
+    if limit and need > int(limit):
+        raise InputError(
+            f"data.max_prompt_tokens: max_prompt_tokens + max_new_tokens = {need} exceeds the target's context "
+            f"of {limit} tokens; lower data.max_prompt_tokens or data.max_new_tokens."
+        )
+
+
+def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new)):
+            out += _diff(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else k)
+        return out
+    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+
+
+def existing_state(cfg: Config, dhash: str) -> str:
+    """'none', 'complete' (same config, finished) or 'partial' (same config); raises on a different config."""
+    run_dir = cfg.run_dir
+    manifest = store.read_manifest(run_dir)
+    previous: dict[str, Any] | None = None
+    state = "none"
+    if manifest is not None:
+        if manifest.get("config_hash") == dhash:
+            return "complete"
+        previous = manifest.get("config")
+    else:
+        for job in sorted(data_dir(run_dir).glob("*/job.json")) + sorted(
+            data_dir(run_dir).glob("shards/*/job.json")
+        ):
+            rec = read_json(job)
+            if rec.get("config_hash") != dhash:
+                previous = rec.get("config")
+                break
+            state = "partial"
+    if previous is None:
+        return state
+    if cfg.data.overwrite:
+        return "stale"
+    changes = "; ".join(_diff(previous, output_config(cfg))[:6]) or "unknown differences"
+    raise InputError(
+        f"data.overwrite: {data_dir(run_dir)} holds data built with a different config ({changes}). Refusing to "
+        "mix them: set data.overwrite=true to discard the old data, or use another run.dir."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plan
+
+
+def plan(ctx: Context, splits: dict[str, SplitPrompts]) -> dict[str, list[list[Prompt]]]:
+    d = ctx.d
+    out = {}
+    for split in SPLITS:
+        ps = splits[split].prompts
+        lo, hi = shard_slice(len(ps), d.shard_index, d.num_shards)
+        out[split] = chunks_of(ps[lo:hi], d.batch_size)
+    return out
+
+
+def write_job(ctx: Context, splits: dict[str, SplitPrompts], chunks: dict[str, list[list[Prompt]]]) -> None:
+    atomic_write_json(
+        ctx.base / "job.json",
+        {
+            "config_hash": ctx.data_hash,
+            "config": output_config(ctx.cfg),
+            "shard_index": ctx.d.shard_index,
+            "num_shards": ctx.d.num_shards,
+            "splits": {
+                s: {
+                    "prompts_loaded": splits[s].loaded,
+                    "prompts_usable": len(splits[s].prompts),
+                    "skipped": splits[s].skipped,
+                    "chunks": len(chunks[s]),
+                    "prompts_this_shard": sum(len(c) for c in chunks[s]),
+                }
+                for s in SPLITS
+            },
+        },
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Progress (rich)
+
+
+def _progress() -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        transient=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Phase 1: generation
+
+
+def _load_target(ctx: Context) -> Any:
+    if ctx.model is None:
+        from distill.models.draft import load_causal_lm
+
+        ctx.model = load_causal_lm(
+            ctx.target_dir, dtype=ctx.cfg.target.dtype, trust_remote_code=ctx.cfg.target.trust_remote_code
+        ).eval()
+    return ctx.model
+
+
+def _pending_gen(ctx: Context, chunks: dict[str, list[list[Prompt]]]) -> list[tuple[str, int, list[Prompt]]]:
+    return [
+        (s, c, ps)
+        for s in SPLITS
+        for c, ps in enumerate(chunks[s])
+        if not store.chunk_path(ctx.base, s, c).is_dir() and not store.gen_path(ctx.base, s, c).is_file()
+    ]
+
+
+def generate_hf(ctx: Context, pending: list[tuple[str, int, list[Prompt]]]) -> None:
+    model = _load_target(ctx)
+    eos = eos_ids(ctx.tok, ctx.target_dir)
+    n_prompts = sum(len(ps) for _, _, ps in pending)
+    tokens, gen_total = 0, 0.0
+    with _progress() as bar:
+        task = bar.add_task("generate (hf)", total=n_prompts, rate="")
+        for split, c, ps in pending:
+            t0 = time.perf_counter()
+            responses = hf_generate(model, ctx.tok, ps, ctx.d, ctx.cfg.run.seed, eos)
+            gen_s = time.perf_counter() - t0
+            tokens += sum(len(r["token_ids"]) for rs in responses for r in rs)
+            gen_total += gen_s
+            atomic_write_json(
+                store.gen_path(ctx.base, split, c),
+                {"responses": responses, "gen_s": gen_s, "engine": "hf", "engine_version": _tf()},
+            )
+            bar.update(task, advance=len(ps), rate=f"{tokens / max(gen_total, 1e-9):.0f} tok/s")
+
+
+def _tf() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def _on_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def generate_vllm(ctx: Context, pending: list[tuple[str, int, list[Prompt]]]) -> None:
+    from distill.utils.subproc import run_worker
+
+    on_gpu = _on_gpu()
+    job = vllm_job(
+        model_dir=ctx.target_dir,
+        dtype=ctx.cfg.target.dtype,
+        trust_remote_code=ctx.cfg.target.trust_remote_code,
+        cfg=ctx.d,
+        run_seed=ctx.cfg.run.seed,
+        chunks=[(store.gen_path(ctx.base, s, c), ps) for s, c, ps in pending],
+        on_gpu=on_gpu,
+    )
+    log_path = ctx.cfg.run_dir / "logs" / "data-vllm-worker.log"
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_vllm, args=(pending, ctx.base, stop), daemon=True)
+    watcher.start()
+    try:
+        result = run_worker(
+            job,
+            log_path=log_path,
+            timeout_s=ctx.d.worker_timeout_s,
+            env=vllm_env(ctx.d, on_gpu),
+            what="vLLM generation worker",
+        )
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+    log.info("vLLM worker: %s", result)
+    missing = [store.chunk_name(s, c) for s, c, _ in pending if not store.gen_path(ctx.base, s, c).is_file()]
+    if missing:
+        raise RuntimeFailure(
+            f"the vLLM worker exited without generating chunks {missing[:5]} (log: {log_path}); rerun to resume."
+        )
+
+
+def _watch_vllm(pending: list[tuple[str, int, list[Prompt]]], base: Path, stop: threading.Event) -> None:
+    """Progress of the worker subprocess, read from the chunk files it writes (engine start-up shows as 0)."""
+    total = sum(len(ps) for _, _, ps in pending)
+    with _progress() as bar:
+        task = bar.add_task("generate (vllm)", total=total, rate="starting engine")
+        seen: set[tuple[str, int]] = set()
+        tokens, gen_s = 0, 0.0
+        while not stop.is_set() or len(seen) < len(pending):
+            for split, c, ps in pending:
+                p = store.gen_path(base, split, c)
+                if (split, c) in seen or not p.is_file():
+                    continue
+                seen.add((split, c))
+                try:
+                    g = read_json(p)
+                    tokens += sum(len(r["token_ids"]) for rs in g["responses"] for r in rs)
+                    gen_s += float(g["gen_s"])
+                except (OSError, ValueError, KeyError):
+                    pass
+                bar.update(task, advance=len(ps), rate=f"{tokens / max(gen_s, 1e-9):.0f} tok/s")
+            if stop.wait(0.5) and (len(seen) >= len(pending) or not _any_new(pending, base, seen)):
+                break
+
+
+def _any_new(pending: list[tuple[str, int, list[Prompt]]], base: Path, seen: set[tuple[str, int]]) -> bool:
+    return any(store.gen_path(base, s, c).is_file() for s, c, _ in pending if (s, c) not in seen)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Phase 2: records (+ cache) per chunk
+
+
+def _responses(
+    ctx: Context, split: str, c: int, ps: list[Prompt], eos: set[int]
+) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
+    eos_id = int(ctx.tok.eos_token_id)
+    if ctx.engine == "dataset":
+        return dataset_responses(ctx.tok, ps, ctx.d, eos_id), {
+            "gen_s": 0.0,
+            "engine": "dataset",
+            "engine_version": "",
+        }
+    g = store.read_gen(ctx.base, split, c)
+    raw = g["responses"]
+    # The hf engine already cut at EOS (engines.hf_generate); vLLM's output needs its finish reasons read.
+    responses = from_vllm(raw, eos, eos_id) if g.get("engine") == "vllm" else raw
+    if len(responses) != len(ps):
+        raise RuntimeFailure(
+            f"{store.gen_path(ctx.base, split, c)}: {len(responses)} results for {len(ps)} "
+            "prompts; delete that file and rerun."
+        )
+    return responses, {
+        "gen_s": float(g.get("gen_s", 0.0)),
+        "engine": g.get("engine"),
+        "engine_version": g.get("engine_version"),
+    }
+
+
+def build_records(ps: list[Prompt], responses: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    records = []
+    for p, rs in zip(ps, responses, strict=True):
+        for j, r in enumerate(rs):
+            records.append(
+                {
+                    "prompt_id": p.prompt_id,
+                    "response_index": j,
+                    "prompt_len": len(p.token_ids),
+                    "input_ids": [*p.token_ids, *r["token_ids"]],
+                    "finished": bool(r["finished"]),
+                }
+            )
+    return records
+
+
+def assemble_chunk(ctx: Context, split: str, c: int, ps: list[Prompt], eos: set[int]) -> dict[str, Any]:
+    responses, meta = _responses(ctx, split, c, ps, eos)
+    records = build_records(ps, responses)
+    meta.update(
+        records=len(records),
+        prompts=len(ps),
+        prompt_tokens=sum(r["prompt_len"] for r in records),
+        response_tokens=sum(len(r["input_ids"]) - r["prompt_len"] for r in records),
+        truncated=sum(1 for r in records if not r["finished"]),
+    )
+    cache = None
+    k = ctx.d.logits.top_k
+    if k:
+        from distill.data.cache import encode_rows, topk_rows
+
+        model = _load_target(ctx)
+        t0 = time.perf_counter()
+        seqs = [r["input_ids"] for r in records]
+        masks = [[0] * r["prompt_len"] + [1] * (len(r["input_ids"]) - r["prompt_len"]) for r in records]
+        pad = ctx.tok.pad_token_id if ctx.tok.pad_token_id is not None else min(eos)
+        rows = topk_rows(model, seqs, masks, k=k, batch_size=ctx.d.logits.batch_size, pad_id=pad)
+        vocab = int(model.config.vocab_size)
+        blobs, counts = encode_rows(rows, vocab_size=vocab, codec=ctx.d.logits.codec)
+        cache = (CacheMeta(k=min(k, vocab), vocab_size=vocab, codec=ctx.d.logits.codec), blobs, counts)
+        meta["cache_s"] = time.perf_counter() - t0
+    store.write_chunk(ctx.base, split, c, records, meta, cache)
+    return meta
+
+
+def assemble(ctx: Context, chunks: dict[str, list[list[Prompt]]]) -> None:
+    todo = [
+        (s, c, ps)
+        for s in SPLITS
+        for c, ps in enumerate(chunks[s])
+        if not store.chunk_path(ctx.base, s, c).is_dir()
+    ]
+    if not todo:
+        return
+    eos = eos_ids(ctx.tok, ctx.target_dir)
+    what = "records + top-k cache" if ctx.d.logits.top_k else "records"
+    with _progress() as bar:
+        task = bar.add_task(what, total=sum(len(ps) for _, _, ps in todo), rate="")
+        tokens, spent = 0, 0.0
+        for split, c, ps in todo:
+            t0 = time.perf_counter()
+            meta = assemble_chunk(ctx, split, c, ps, eos)
+            spent += time.perf_counter() - t0
+            tokens += int(meta["response_tokens"])
+            bar.update(task, advance=len(ps), rate=f"{tokens / max(spent, 1e-9):.0f} tok/s")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Merge + manifest
+
+
+def _shard_bases(run_dir: Path, num_shards: int) -> list[Path]:
+    return [store.work_dir(run_dir, i, num_shards) for i in range(num_shards)]
+
+
+def missing_shards(cfg: Config, dhash: str) -> list[int]:
+    out = []
+    for i, base in enumerate(_shard_bases(cfg.run_dir, cfg.data.num_shards)):
+        done = base / "done.json"
+        if not done.is_file() or read_json(done).get("config_hash") != dhash:
+            out.append(i)
+    return out
+
+
+def _cache_meta(cfg: Config) -> CacheMeta:
+    from distill.models.draft import load_model_config
+    from distill.models.resolve import resolve_model
+
+    target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
+    vocab = int(load_model_config(target_dir, trust_remote_code=cfg.target.trust_remote_code).vocab_size)
+    return CacheMeta(k=min(cfg.data.logits.top_k, vocab), vocab_size=vocab, codec=cfg.data.logits.codec)
+
+
+def merge(cfg: Config, dhash: str, *, engine: str, tok_hash: str, wall_s: float) -> dict[str, Any]:
+    run_dir = cfg.run_dir
+    bases = _shard_bases(run_dir, cfg.data.num_shards)
+    jobs = [read_json(b / "job.json") for b in bases]
+    splits_out: dict[str, Any] = {}
+    cache_bytes, cache_tokens = 0, 0
+    totals = {"gen_s": 0.0, "cache_s": 0.0, "response_tokens": 0}
+    versions: set[str] = set()
+    for split in SPLITS:
+        records: list[dict[str, Any]] = []
+        chunk_dirs: list[Path] = []
+        agg = {"records": 0, "prompt_tokens": 0, "response_tokens": 0, "truncated": 0}
+        for base, job in zip(bases, jobs, strict=True):
+            for c in range(int(job["splits"][split]["chunks"])):
+                recs, meta = store.read_chunk(base, split, c)
+                records += recs
+                chunk_dirs.append(store.chunk_path(base, split, c))
+                for key in agg:
+                    agg[key] += int(meta[key])
+                totals["gen_s"] += float(meta.get("gen_s", 0.0))
+                totals["cache_s"] += float(meta.get("cache_s", 0.0))
+                if meta.get("engine_version"):
+                    lib = {"hf": "transformers"}.get(str(meta["engine"]), str(meta["engine"]))
+                    versions.add(f"{lib} {meta['engine_version']}")
+        totals["response_tokens"] += agg["response_tokens"]
+        store.save_split(run_dir, split, records)
+        info = jobs[0]["splits"][split]
+        splits_out[split] = {
+            "prompts_loaded": info["prompts_loaded"],
+            "skipped": info["skipped"],
+            "prompts_used": info["prompts_usable"],
+            "records": agg["records"],
+            "prompt_tokens": agg["prompt_tokens"],
+            "response_tokens": agg["response_tokens"],
+            "truncated_responses": agg["truncated"],
+        }
+        if cfg.data.logits.top_k:
+            b, t = store.merge_cache(run_dir, split, chunk_dirs, _cache_meta(cfg))
+            cache_bytes += b
+            cache_tokens += t
+    manifest = {
+        "config_hash": dhash,
+        "config": output_config(cfg),
+        "target": cfg.target.model,
+        "tokenizer_hash": tok_hash,
+        "engine": engine,
+        "engine_version": ", ".join(sorted(versions)) or None,
+        "num_shards": cfg.data.num_shards,
+        "splits": splits_out,
+        "generation_s": round(totals["gen_s"], 3),
+        "generation_tokens_per_s": (
+            round(totals["response_tokens"] / totals["gen_s"], 2) if totals["gen_s"] > 0 else None
+        ),
+        "wall_s_last_invocation": round(wall_s, 3),
+        "cache": (
+            {
+                "top_k": cfg.data.logits.top_k,
+                "codec": cfg.data.logits.codec,
+                "bytes": cache_bytes,
+                "tokens": cache_tokens,
+                "bytes_per_token": round(cache_bytes / max(cache_tokens, 1), 2),
+                "build_s": round(totals["cache_s"], 3),
+            }
+            if cfg.data.logits.top_k
+            else None
+        ),
+        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    store.write_manifest(run_dir, manifest)
+    store.remove_work(run_dir)
+    return manifest
+
+
+def print_summary(manifest: dict[str, Any], run_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"distill data -> {data_dir(run_dir)}")
+    for col in ("split", "prompts", "skipped", "records", "prompt tok", "response tok", "no EOS"):
+        table.add_column(col, justify="right" if col != "split" else "left")
+    for split, s in manifest["splits"].items():
+        skipped = ", ".join(f"{v} {k}" for k, v in s["skipped"].items()) or "0"
+        table.add_row(
+            split,
+            str(s["prompts_used"]),
+            skipped,
+            str(s["records"]),
+            str(s["prompt_tokens"]),
+            str(s["response_tokens"]),
+            str(s["truncated_responses"]),
+        )
+    console = Console()
+    console.print(table)
+    rate = manifest["generation_tokens_per_s"]
+    console.print(
+        f"engine: {manifest['engine']} ({manifest['engine_version']}); generation "
+        f"{manifest['generation_s']:.1f} s" + (f", {rate:.1f} tokens/s" if rate else "")
+    )
+    if manifest.get("cache"):
+        c = manifest["cache"]
+        console.print(
+            f"top-k cache: k={c['top_k']}, {c['bytes'] / 1e6:.2f} MB, {c['bytes_per_token']} bytes/token"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _validate(cfg: Config) -> tuple[Path, Any, str]:
+    from distill.models.draft import load_tokenizer
+    from distill.models.resolve import resolve_model
+
+    target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
+    tok = load_tokenizer(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    require_chat_template(tok, cfg.target.model)
+    if tok.eos_token_id is None:
+        raise InputError(
+            f"target.model: the tokenizer of {cfg.target.model} has no EOS token; the data stage "
+            "needs one to end responses. Set `eos_token` in its tokenizer_config.json."
+        )
+    check_lengths(cfg, target_dir)
+    return target_dir, tok, choose_engine(cfg.data)
+
+
+def _finish(cfg: Config, manifest: dict[str, Any], t0: float) -> int:
+    from distill.rundir import mark_complete
+
+    manifest["wall_s_last_invocation"] = round(time.perf_counter() - t0, 3)
+    store.write_manifest(cfg.run_dir, manifest)
+    mark_complete(
+        cfg,
+        "data",
+        {
+            "manifest": str(store.data_dir(cfg.run_dir) / "manifest.json"),
+            "records": {s: v["records"] for s, v in manifest["splits"].items()},
+        },
+    )
+    print_summary(manifest, cfg.run_dir)
+    return 0
+
+
+def _already_complete(cfg: Config) -> None:
+    """Tidy a finished build: work folders left by a kill after the manifest, a missing completion record."""
+    from distill.rundir import is_complete, mark_complete
+
+    store.remove_work(cfg.run_dir)
+    if not is_complete(cfg, "data"):
+        mark_complete(cfg, "data", {"manifest": str(store.data_dir(cfg.run_dir) / "manifest.json")})
+
+
+@contextlib.contextmanager
+def merge_lock(cfg: Config, *, force: bool) -> Iterator[bool]:
+    """Only one of several shard jobs that finish together merges. `force` (data.merge=true) takes a stale lock
+    left by a killed merge."""
+    path = data_dir(cfg.run_dir) / "merge.lock"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.close(fd)
+    except FileExistsError:
+        if not force:
+            yield False
+            return
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def run_merge_only(cfg: Config, dhash: str, target_dir: Path, tok: Any, engine: str, t0: float) -> int:
+    from distill.rundir import start_stage
+
+    if existing_state(cfg, dhash) == "complete":
+        _already_complete(cfg)
+        print(f"data: {data_dir(cfg.run_dir)} is already complete for this config; nothing to do.")
+        return 0
+    missing = missing_shards(cfg, dhash)
+    if missing:
+        raise InputError(
+            f"data.merge: shards {missing} of {cfg.data.num_shards} are not finished (or were built "
+            "with another config); run `distill data ... data.shard_index=I` for each first."
+        )
+    start_stage(cfg, "data")
+    with merge_lock(cfg, force=True):
+        manifest = merge(cfg, dhash, engine=engine, tok_hash=tokenizer_hash(target_dir, tok), wall_s=0.0)
+    return _finish(cfg, manifest, t0)
+
+
+def run(cfg: Config) -> int:
+    """Build (or resume, or merge) the distillation dataset of `cfg.run.dir`."""
+    from distill.rundir import start_stage
+
+    t0 = time.perf_counter()
+    target_dir, tok, engine = _validate(cfg)
+    dhash = data_hash(cfg)
+    if cfg.data.merge:
+        return run_merge_only(cfg, dhash, target_dir, tok, engine, t0)
+    state = existing_state(cfg, dhash)
+    if state == "complete":
+        _already_complete(cfg)
+        print(
+            f"data: {data_dir(cfg.run_dir)} is already complete for this config; nothing to do "
+            "(set data.overwrite=true to rebuild)."
+        )
+        return 0
+    splits = load_splits(cfg.data, tok)
+    start_stage(cfg, "data")
+    if state == "stale":
+        log.warning("data.overwrite=true: removing %s built with another config", data_dir(cfg.run_dir))
+        shutil.rmtree(data_dir(cfg.run_dir), ignore_errors=True)
+    base = store.work_dir(cfg.run_dir, cfg.data.shard_index, cfg.data.num_shards)
+    ctx = Context(cfg, target_dir, tok, engine, dhash, base)
+    for sub in (base, base / "gen", base / "chunks"):
+        remove_stale_temporaries(sub)
+    chunks = plan(ctx, splits)
+    write_job(ctx, splits, chunks)
+    if state == "partial":
+        log.info("data: resuming in %s", base)
+    pending = _pending_gen(ctx, chunks) if engine in ("hf", "vllm") else []
+    if pending:
+        (generate_vllm if engine == "vllm" else generate_hf)(ctx, pending)
+    assemble(ctx, chunks)
+    atomic_write_json(base / "done.json", {"config_hash": dhash})
+    missing = missing_shards(cfg, dhash)
+    if missing:
+        print(
+            f"data: shard {cfg.data.shard_index} of {cfg.data.num_shards} done; waiting for shards {missing}. "
+            "The last job to finish merges (or run with data.merge=true)."
+        )
+        return 0
+    with merge_lock(cfg, force=False) as got:
+        if not got:
+            print("data: another job is merging the shards; nothing left to do here.")
+            return 0
+        manifest = merge(
+            cfg,
+            dhash,
+            engine=engine,
+            tok_hash=tokenizer_hash(target_dir, tok),
+            wall_s=time.perf_counter() - t0,
+        )
+    return _finish(cfg, manifest, t0)

@@ -1,0 +1,174 @@
+"""Worker job "generate": the target writes responses with vLLM's offline `LLM.generate` (data stage).
+
+Job (JSON): {"kind": "generate", "model": DIR, "dtype": str, "seed": int, "max_model_len": int,
+"tensor_parallel_size": int, "data_parallel_size": int, "gpu_memory_utilization": float,
+"trust_remote_code": bool, "enforce_eager": bool,
+"sampling": {"temperature", "top_p", "max_tokens", "n"},
+"chunks": [{"out": PATH, "prompts": [{"prompt_id": str, "token_ids": [int], "seed": int | null}]}]}
+
+Each chunk's result is written atomically to its `out` path as soon as it is generated, so a killed worker
+loses at most the chunk in flight: {"responses": [[{"token_ids": [int], "finish_reason": str}] * n] per prompt,
+"gen_s": float, "engine": "vllm", "engine_version": str}. Chunks whose `out` exists are skipped.
+
+Data parallelism: `LLM(data_parallel_size>1)` is refused for single-process use in this vLLM, so with
+data_parallel_size = D > 1 this worker starts D copies of itself, each on its own group of
+tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES) with every D-th chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _sampling_params(job: dict[str, Any], seed: int | None) -> Any:
+    from vllm import SamplingParams
+
+    s = job["sampling"]
+    greedy = float(s["temperature"]) == 0.0
+    return SamplingParams(
+        n=int(s["n"]),
+        temperature=float(s["temperature"]),
+        top_p=1.0 if greedy else float(s["top_p"]),
+        max_tokens=int(s["max_tokens"]),
+        seed=None if greedy else seed,
+        detokenize=False,
+    )
+
+
+def _build_llm(job: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=job["model"],
+        tokenizer=job["model"],
+        dtype=job["dtype"],
+        seed=int(job["seed"]),
+        max_model_len=int(job["max_model_len"]),
+        tensor_parallel_size=int(job["tensor_parallel_size"]),
+        trust_remote_code=bool(job.get("trust_remote_code", False)),
+        enforce_eager=bool(job.get("enforce_eager", False)),
+    )
+    if job.get("gpu_memory_utilization") is not None:
+        kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
+    return LLM(**kwargs)
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _generate_chunk(llm: Any, job: dict[str, Any], chunk: dict[str, Any], version: str) -> int:
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(p["token_ids"])) for p in chunk["prompts"]]
+    params = [_sampling_params(job, p.get("seed")) for p in chunk["prompts"]]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    gen_s = time.perf_counter() - start
+    responses = [
+        [{"token_ids": list(c.token_ids), "finish_reason": c.finish_reason} for c in out.outputs]
+        for out in outputs
+    ]
+    _write_json_atomic(
+        Path(chunk["out"]),
+        {"responses": responses, "gen_s": gen_s, "engine": "vllm", "engine_version": version},
+    )
+    return sum(len(c["token_ids"]) for r in responses for c in r)
+
+
+def _run_single(job: dict[str, Any]) -> dict[str, Any]:
+    import vllm
+
+    parent = os.getppid()
+    pending = [c for c in job["chunks"] if not Path(c["out"]).is_file()]
+    if not pending:
+        return {"chunks_done": 0, "tokens": 0, "engine_version": vllm.__version__}
+    t0 = time.perf_counter()
+    llm = _build_llm(job)
+    startup_s = time.perf_counter() - t0
+    print(f"engine ready in {startup_s:.1f} s; {len(pending)} chunks to generate", flush=True)
+    tokens, done = 0, 0
+    for i, chunk in enumerate(pending):
+        if os.getppid() != parent:
+            # The stage was killed (kill -9 skips its cleanup): stop instead of racing the rerun's worker.
+            print("parent process gone; stopping after the chunks already written", flush=True)
+            break
+        tokens += _generate_chunk(llm, job, chunk, vllm.__version__)
+        done += 1
+        print(f"chunk {i + 1}/{len(pending)} done ({tokens} tokens so far)", flush=True)
+    return {
+        "chunks_done": done,
+        "tokens": tokens,
+        "startup_s": startup_s,
+        "engine_version": vllm.__version__,
+    }
+
+
+def _gpu_groups(dp: int, tp: int) -> list[str | None]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else None
+    if devices is None:
+        try:
+            import torch
+
+            n = torch.cuda.device_count()
+        except Exception:
+            n = 0
+        devices = [str(i) for i in range(n)] if n else None
+    if devices is None:
+        return [None] * dp
+    if len(devices) < dp * tp:
+        raise RuntimeError(
+            f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} GPUs, "
+            f"{len(devices)} visible"
+        )
+    return [",".join(devices[r * tp : (r + 1) * tp]) for r in range(dp)]
+
+
+def _run_data_parallel(job: dict[str, Any]) -> dict[str, Any]:
+    dp, tp = int(job["data_parallel_size"]), int(job["tensor_parallel_size"])
+    groups = _gpu_groups(dp, tp)
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="distill-dp-") as tmp:
+        for rank in range(dp):
+            sub = dict(job, data_parallel_size=1, chunks=job["chunks"][rank::dp])
+            job_path, res_path = Path(tmp) / f"job{rank}.json", Path(tmp) / f"res{rank}.json"
+            job_path.write_text(json.dumps(sub))
+            env = dict(os.environ)
+            if groups[rank] is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(groups[rank])
+            cmd = [sys.executable, "-m", "distill.vllm_worker", str(job_path), str(res_path)]
+            procs.append((subprocess.Popen(cmd, env=env), res_path))
+        results = []
+        for rank, (proc, res_path) in enumerate(procs):
+            rc = proc.wait()
+            if rc != 0 or not res_path.is_file():
+                for other, _ in procs:
+                    other.kill()
+                raise RuntimeError(f"data-parallel rank {rank} failed (exit {rc})")
+            results.append(json.loads(res_path.read_text()))
+    return {
+        "chunks_done": sum(r["chunks_done"] for r in results),
+        "tokens": sum(r["tokens"] for r in results),
+        "engine_version": results[0]["engine_version"],
+        "data_parallel_size": dp,
+    }
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    if int(job.get("data_parallel_size", 1)) > 1:
+        return _run_data_parallel(job)
+    return _run_single(job)

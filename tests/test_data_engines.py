@@ -1,0 +1,186 @@
+"""Pure pieces of the data stage: EOS handling, vLLM output conversion, sharding, seeds, config identity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distill.cli import main
+from distill.config import load_config
+from distill.data.engines import cut_at_eos, from_vllm, vllm_env, vllm_job
+from distill.data.format import load_split_dataset, manifest_path, open_topk_cache
+from distill.data.prepare import Prompt, chunks_of, request_seed, shard_slice
+from distill.data.stage import data_hash
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "tiny.yaml")
+
+
+def test_cut_at_eos_keeps_the_eos_and_marks_truncation():
+    assert cut_at_eos([5, 6, 2, 2, 2], {2}, 5) == {"token_ids": [5, 6, 2], "finished": True}
+    assert cut_at_eos([5, 6, 7], {2}, 3) == {"token_ids": [5, 6, 7], "finished": False}
+    assert cut_at_eos([9, 1], {1, 2}, 4) == {"token_ids": [9, 1], "finished": True}
+
+
+def test_from_vllm_appends_a_missing_eos_only_on_stop():
+    raw = [
+        [{"token_ids": [4, 2], "finish_reason": "stop"}, {"token_ids": [4, 5], "finish_reason": "stop"}],
+        [{"token_ids": [4, 5, 6], "finish_reason": "length"}],
+    ]
+    out = from_vllm(raw, {2}, 2)
+    assert out[0] == [{"token_ids": [4, 2], "finished": True}, {"token_ids": [4, 5, 2], "finished": True}]
+    assert out[1] == [{"token_ids": [4, 5, 6], "finished": False}]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 100])
+@pytest.mark.parametrize("shards", [1, 2, 3, 8])
+def test_shards_partition_the_prompts_in_order(n, shards):
+    parts = [shard_slice(n, i, shards) for i in range(shards)]
+    covered = [j for lo, hi in parts for j in range(lo, hi)]
+    assert covered == list(range(n))
+
+
+def test_chunks_and_request_seeds():
+    ps = [Prompt(str(i), [i], None) for i in range(10)]
+    assert [len(c) for c in chunks_of(ps, 4)] == [4, 4, 2]
+    assert request_seed(0, "abc") == request_seed(0, "abc") != request_seed(1, "abc")
+
+
+def test_vllm_job_and_env(tmp_path):
+    cfg = load_config(
+        CONFIG, ["data.temperature=0.7", "data.responses_per_prompt=3", "data.vllm_kvcache_gib=2"]
+    )
+    ps = [Prompt("p1", [1, 2, 3], None)]
+    job = vllm_job(
+        model_dir=tmp_path,
+        dtype="float32",
+        trust_remote_code=False,
+        cfg=cfg.data,
+        run_seed=0,
+        chunks=[(tmp_path / "g.json", ps)],
+        on_gpu=False,
+    )
+    assert job["kind"] == "generate" and job["enforce_eager"] is True
+    assert job["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 32, "n": 3}
+    assert job["max_model_len"] == 64 + 32
+    assert job["chunks"][0]["prompts"][0] == {
+        "prompt_id": "p1",
+        "token_ids": [1, 2, 3],
+        "seed": request_seed(0, "p1"),
+    }
+    json.dumps(job)  # the worker reads it as JSON
+    assert vllm_env(cfg.data, on_gpu=False) == {
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+    }
+    assert vllm_env(cfg.data, on_gpu=True) == {}
+
+
+def test_data_hash_ignores_run_only_keys():
+    a = load_config(CONFIG, [])
+    same = [
+        "data.overwrite=true",
+        "data.shard_index=1",
+        "data.num_shards=2",
+        "data.worker_timeout_s=5",
+        "data.logits.batch_size=2",
+        "data.tensor_parallel_size=2",
+    ]
+    b = load_config(CONFIG, same)
+    assert data_hash(a) != data_hash(b)  # num_shards changes the layout
+    c = load_config(CONFIG, [s for s in same if "num_shards" not in s and "shard_index" not in s])
+    assert data_hash(a) == data_hash(c)
+    for changed in ("data.max_new_tokens=9", "run.seed=1", "data.logits.top_k=4", "target.dtype=bfloat16"):
+        assert data_hash(load_config(CONFIG, [changed])) != data_hash(a), changed
+
+
+def test_sampled_responses_per_prompt(tiny_config_overrides):
+    overrides = [
+        *tiny_config_overrides,
+        "data.engine=hf",
+        "data.temperature=1.0",
+        "data.responses_per_prompt=2",
+        "data.max_train_prompts=12",
+        "data.max_val_prompts=2",
+        "data.max_new_tokens=12",
+    ]
+    assert main(["data", "-c", CONFIG, *overrides]) == 0
+    run_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir=")))
+    rows = [dict(r) for r in load_split_dataset(run_dir, "train")]
+    assert len(rows) == 24
+    assert [r["response_index"] for r in rows] == [0, 1] * 12
+    assert rows[0]["prompt_id"] == rows[1]["prompt_id"]
+    differ = sum(rows[i]["input_ids"] != rows[i + 1]["input_ids"] for i in range(0, 24, 2))
+    assert differ >= 6  # sampling at T=1 from a random model: the two responses mostly differ
+    manifest = json.loads(manifest_path(run_dir).read_text())
+    assert manifest["splits"]["train"]["records"] == 24 and manifest["splits"]["train"]["prompts_used"] == 12
+
+
+def test_stale_merge_lock_blocks_auto_merge_but_not_data_merge(tiny_config_overrides, capsys):
+    run_dir = Path(next(o.split("=", 1)[1] for o in tiny_config_overrides if o.startswith("run.dir=")))
+    common = [
+        *tiny_config_overrides,
+        "data.engine=hf",
+        "data.num_shards=2",
+        "data.max_train_prompts=8",
+        "data.max_val_prompts=2",
+        "data.max_new_tokens=8",
+    ]
+    assert main(["data", "-c", CONFIG, *common, "data.shard_index=0"]) == 0
+    (run_dir / "data" / "merge.lock").write_text("")  # as left by a merge killed with -9
+    assert main(["data", "-c", CONFIG, *common, "data.shard_index=1"]) == 0
+    assert "another job is merging" in capsys.readouterr().out
+    assert not manifest_path(run_dir).exists()
+    assert main(["data", "-c", CONFIG, *common, "data.merge=true"]) == 0
+    assert manifest_path(run_dir).exists() and not (run_dir / "data" / "merge.lock").exists()
+    assert len(load_split_dataset(run_dir, "train")) == 8
+
+
+def test_empty_val_split_still_saves_and_opens(tiny_config_overrides):
+    overrides = [
+        *tiny_config_overrides,
+        "data.engine=hf",
+        "data.val_fraction=0",
+        "data.max_train_prompts=6",
+        "data.max_new_tokens=6",
+        "data.logits.top_k=4",
+    ]
+    assert main(["data", "-c", CONFIG, *overrides]) == 0
+    run_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir=")))
+    assert len(load_split_dataset(run_dir, "val")) == 0
+    cache = open_topk_cache(run_dir, "val")
+    assert cache is not None and len(cache) == 0 and cache.k == 4
+    assert len(open_topk_cache(run_dir, "train")) == 6  # type: ignore[arg-type]
+
+
+def test_sigterm_mid_generation_exits_130_and_resumes(tiny_config_overrides, monkeypatch):
+    import distill.data.stage as stage
+    from distill.errors import Interrupted
+
+    overrides = [
+        *tiny_config_overrides,
+        "data.engine=hf",
+        "data.batch_size=4",
+        "data.max_train_prompts=12",
+        "data.max_val_prompts=2",
+        "data.max_new_tokens=6",
+    ]
+    real = stage.hf_generate
+    calls = {"n": 0}
+
+    def interrupted_on_third(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Interrupted("received signal 15; state saved, rerun the same command to resume.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stage, "hf_generate", interrupted_on_third)
+    assert main(["data", "-c", CONFIG, *overrides]) == 130
+    run_dir = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir=")))
+    gen = sorted(p.name for p in (run_dir / "data" / "work" / "gen").iterdir())
+    assert gen == ["train-00000.json", "train-00001.json"]  # whole chunks only, no temporaries
+    calls["n"] = -100
+    assert main(["data", "-c", CONFIG, *overrides]) == 0
+    assert len(load_split_dataset(run_dir, "train")) == 12

@@ -1,0 +1,363 @@
+"""`distill data` on the tiny in-code target with the transformers engine: format, masks, resume, cache, faults."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill.cli import main
+from distill.data import store
+from distill.data.format import (
+    load_split_dataset,
+    manifest_path,
+    open_topk_cache,
+    topk_from_logits,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "tiny.yaml")
+EOS = 2  # <|im_end|> in the tiny tokenizer
+
+
+def run_data(overrides: list[str]) -> int:
+    return main(["data", "-c", CONFIG, *overrides])
+
+
+@pytest.fixture()
+def base(tiny_config_overrides) -> list[str]:
+    return [*tiny_config_overrides, "data.engine=hf", "data.batch_size=8", "data.max_new_tokens=24"]
+
+
+def rows(run_dir: Path, split: str) -> list[dict]:
+    return [dict(r) for r in load_split_dataset(run_dir, split)]
+
+
+def run_dir_of(overrides: list[str]) -> Path:
+    return Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir=")))
+
+
+def _prompt_texts(prompts_file: Path, tok) -> dict[str, str]:
+    from distill.prompts.sources import load_prompts
+
+    pset = load_prompts(str(prompts_file))
+    return {
+        r.prompt_id: tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
+        for r in pset.records
+    }
+
+
+def test_record_format_and_loss_masks(base, prompts_file, tiny_tokenizer, tiny_target_dir):
+    assert run_data(base) == 0
+    run_dir = run_dir_of(base)
+    ds = load_split_dataset(run_dir, "train")
+    assert set(ds.column_names) == {"input_ids", "loss_mask", "prompt_id", "response_index"}
+    texts = _prompt_texts(prompts_file, tiny_tokenizer)
+    manifest = json.loads(manifest_path(run_dir).read_text())
+    for split in ("train", "val"):
+        data = rows(run_dir, split)
+        m = manifest["splits"][split]
+        assert len(data) == m["records"] == m["prompts_used"] > 0
+        assert sum(sum(r["loss_mask"]) for r in data) == m["response_tokens"]
+        assert sum(len(r["input_ids"]) - sum(r["loss_mask"]) for r in data) == m["prompt_tokens"]
+        no_eos = 0
+        for r in data:
+            ids, mask = r["input_ids"], r["loss_mask"]
+            n_prompt = mask.index(1)
+            assert mask == [0] * n_prompt + [1] * (len(ids) - n_prompt)  # 1 exactly on the response
+            assert tiny_tokenizer.decode(ids[:n_prompt]) == texts[r["prompt_id"]]
+            response = ids[n_prompt:]
+            assert 1 <= len(response) <= 24
+            assert EOS not in response[:-1]
+            no_eos += response[-1] != EOS
+            assert r["response_index"] == 0
+        assert no_eos == m["truncated_responses"]
+    assert manifest["engine"] == "hf" and manifest["generation_tokens_per_s"] > 0
+    assert manifest["tokenizer_hash"] and manifest["config_hash"]
+    assert not (run_dir / "data" / "work").exists()  # work folders removed after the merge
+    # The masked tokens are exactly what the target writes for that prompt on its own (no batch, no padding).
+    from distill.models.draft import load_causal_lm
+
+    model = load_causal_lm(tiny_target_dir).eval()
+    data = rows(run_dir, "train")
+    same = 0
+    for r in data[:10]:
+        n_prompt = r["loss_mask"].index(1)
+        out = model.generate(
+            torch.tensor([r["input_ids"][:n_prompt]]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=EOS,
+        )
+        same += out[0, n_prompt:].tolist() == r["input_ids"][n_prompt:]
+    assert same >= 9
+
+
+def test_dataset_responses_decode_to_the_response_text(tmp_path, tiny_target_dir, tiny_tokenizer):
+    src = tmp_path / "pairs.jsonl"
+    with open(src, "w") as f:
+        for i in range(40):
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": f"question number {i} about trains",
+                        "response": f"answer {i}: " + "the train is long " * (1 + i % 6),
+                    }
+                )
+                + "\n"
+            )
+    overrides = [
+        f"target.model={tiny_target_dir}",
+        f"run.dir={tmp_path / 'run'}",
+        f"data.source={src}",
+        "data.responses=dataset",
+        "data.max_new_tokens=20",
+    ]
+    assert run_data(overrides) == 0
+    from distill.prompts.sources import load_prompts
+
+    truth = {r.prompt_id: r.response for r in load_prompts(str(src)).records}
+    data = rows(tmp_path / "run", "train")
+    assert data
+    cut = 0
+    for r in data:
+        n_prompt = r["loss_mask"].index(1)
+        response = r["input_ids"][n_prompt:]
+        full = tiny_tokenizer(truth[r["prompt_id"]], add_special_tokens=False)["input_ids"]
+        if len(full) >= 20:
+            assert response == full[:20]
+            cut += 1
+        else:
+            assert response[-1] == EOS
+            assert tiny_tokenizer.decode(response[:-1]) == truth[r["prompt_id"]]
+    assert cut > 0
+    manifest = json.loads(manifest_path(tmp_path / "run").read_text())
+    assert manifest["engine"] == "dataset" and manifest["splits"]["train"]["truncated_responses"] == cut
+
+
+def _same_output(a: Path, b: Path) -> None:
+    for split in ("train", "val"):
+        assert rows(a, split) == rows(b, split)
+        ca, cb = open_topk_cache(a, split), open_topk_cache(b, split)
+        assert (ca is None) == (cb is None)
+        if ca is not None and cb is not None:
+            assert len(ca) == len(cb)
+            for i in range(len(ca)):
+                assert ca.raw_bytes(i) == cb.raw_bytes(i)
+
+
+def test_resume_after_crash_equals_uninterrupted(base, tmp_path, monkeypatch):
+    ref = [*base, f"run.dir={tmp_path / 'ref'}", "data.logits.top_k=8"]
+    assert run_data(ref) == 0
+    crashed = [*base, f"run.dir={tmp_path / 'crash'}", "data.logits.top_k=8"]
+    real_write = store.write_chunk
+    calls = {"n": 0}
+
+    def crash_after_two(*args, **kwargs):
+        if calls["n"] == 2:
+            raise RuntimeError("simulated crash")
+        calls["n"] += 1
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "write_chunk", crash_after_two)
+    assert run_data(crashed) == 1
+    done = list((tmp_path / "crash" / "data" / "work" / "chunks").iterdir())
+    assert len(done) == 2 and not manifest_path(tmp_path / "crash").exists()
+    monkeypatch.setattr(store, "write_chunk", real_write)
+    assert run_data(crashed) == 0
+    _same_output(tmp_path / "ref", tmp_path / "crash")
+
+
+@pytest.mark.slow
+def test_kill9_mid_run_then_rerun_equals_uninterrupted(tiny_config_overrides, tmp_path):
+    common = [o for o in tiny_config_overrides if not o.startswith("run.dir=")]
+    common += ["data.engine=hf", "data.batch_size=2", "data.max_new_tokens=32", "data.logits.top_k=4"]
+    ref = [*common, f"run.dir={tmp_path / 'ref'}"]
+    assert run_data(ref) == 0
+    killed_dir = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distill", "data", "-c", CONFIG, *common, f"run.dir={killed_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    chunks = killed_dir / "data" / "work" / "chunks"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if chunks.is_dir() and len([p for p in chunks.iterdir() if not p.name.startswith(".")]) >= 3:
+            break
+        time.sleep(0.02)
+    if proc.poll() is not None:
+        pytest.skip("the run finished before it could be killed")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not manifest_path(killed_dir).exists()
+    assert run_data([*common, f"run.dir={killed_dir}"]) == 0
+    _same_output(tmp_path / "ref", killed_dir)
+
+
+def test_rerun_does_nothing_and_changed_config_refuses(base, capsys):
+    assert run_data(base) == 0
+    run_dir = run_dir_of(base)
+    before = manifest_path(run_dir).stat().st_mtime_ns
+    capsys.readouterr()
+    assert run_data(base) == 0
+    assert "already complete" in capsys.readouterr().out
+    assert manifest_path(run_dir).stat().st_mtime_ns == before
+    assert run_data([*base, "data.max_new_tokens=8"]) == 2
+    err = capsys.readouterr().err
+    assert "data.overwrite" in err and "max_new_tokens" in err
+    assert manifest_path(run_dir).stat().st_mtime_ns == before
+    assert run_data([*base, "data.max_new_tokens=8", "data.overwrite=true"]) == 0
+    assert max(sum(r["loss_mask"]) for r in rows(run_dir, "train")) <= 8
+
+
+def test_partial_data_with_another_config_refuses(base, monkeypatch, capsys):
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(store, "write_chunk", crash)
+    assert run_data(base) == 1
+    monkeypatch.undo()
+    assert run_data([*base, "data.temperature=0.7"]) == 2
+    assert "data.overwrite" in capsys.readouterr().err
+
+
+def test_topk_cache_matches_a_fresh_forward_pass(base, tiny_target_dir):
+    k = 16
+    assert run_data([*base, f"data.logits.top_k={k}", "data.logits.batch_size=3"]) == 0
+    run_dir = run_dir_of(base)
+    from distill.models.draft import load_causal_lm
+
+    model = load_causal_lm(tiny_target_dir).eval()
+    total_positions = 0
+    for split in ("train", "val"):
+        data = rows(run_dir, split)
+        cache = open_topk_cache(run_dir, split)
+        assert cache is not None and len(cache) == len(data) and cache.k == k
+        for i, r in enumerate(data):
+            with torch.no_grad():
+                logits = model(torch.tensor([r["input_ids"]])).logits[0]
+            ids, lp, rest = cache.get(i)
+            f_ids, f_lp, f_rest = topk_from_logits(logits, torch.tensor(r["loss_mask"]), k)
+            assert ids.shape == (sum(r["loss_mask"]), k) and ids.dtype == torch.int64
+            assert lp.dtype == torch.float32 and rest.dtype == torch.float32
+            # The log-prob of each stored id, read off the fresh pass (robust to near-ties reordering ids).
+            fresh_all = torch.log_softmax(logits.float(), -1)[torch.tensor(r["loss_mask"]).bool().roll(-1)]
+            torch.testing.assert_close(lp, fresh_all.gather(1, ids), atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(lp, f_lp, atol=1e-3, rtol=1e-3)
+            assert (ids == f_ids).float().mean() > 0.99
+            torch.testing.assert_close(rest, f_rest, atol=1e-3, rtol=1e-3)
+            consistent = torch.log1p(-lp.double().exp().sum(-1).clamp(max=1 - 1e-12))
+            torch.testing.assert_close(rest.double(), consistent, atol=2e-3, rtol=1e-3)
+            total_positions += ids.shape[0]
+    manifest = json.loads(manifest_path(run_dir).read_text())
+    c = manifest["cache"]
+    assert c["top_k"] == k and c["tokens"] == total_positions
+    on_disk = sum(p.stat().st_size for p in (run_dir / "data" / "topk").rglob("*") if p.is_file())
+    assert c["bytes"] == on_disk
+    assert c["bytes_per_token"] == pytest.approx(on_disk / total_positions, rel=1e-3)
+    assert c["bytes_per_token"] < k * 4  # smaller than uint16 ids + fp16 values
+
+
+def test_sharded_jobs_merge_to_the_single_job_result(base, tmp_path, capsys):
+    single = [*base, f"run.dir={tmp_path / 'single'}", "data.logits.top_k=4"]
+    assert run_data(single) == 0
+    sharded = [*base, f"run.dir={tmp_path / 'sharded'}", "data.logits.top_k=4", "data.num_shards=2"]
+    assert run_data([*sharded, "data.merge=true"]) == 2  # nothing to merge yet
+    assert run_data([*sharded, "data.shard_index=1"]) == 0
+    assert "waiting for shards [0]" in capsys.readouterr().out
+    assert not manifest_path(tmp_path / "sharded").exists()
+    assert run_data([*sharded, "data.shard_index=0"]) == 0
+    assert manifest_path(tmp_path / "sharded").exists()
+    a, b = rows(tmp_path / "single", "train"), rows(tmp_path / "sharded", "train")
+    assert [r["prompt_id"] for r in a] == [r["prompt_id"] for r in b]
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    assert same >= 0.9 * len(a)  # chunks differ (left padding): near-ties may flip a greedy token
+    assert len(open_topk_cache(tmp_path / "sharded", "train")) == len(b)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input and faults
+
+
+def test_no_chat_template_is_exit_2_and_writes_nothing(tmp_path, tiny_target_dir, prompts_file, capsys):
+    model = tmp_path / "no_template"
+    shutil.copytree(tiny_target_dir, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    run_dir = tmp_path / "run"
+    assert run_data([f"target.model={model}", f"run.dir={run_dir}", f"data.source={prompts_file}"]) == 2
+    assert "chat template" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("data.max_prompt_tokens=3", "data.max_prompt_tokens"),
+        ("data.max_prompt_tokens=4000", "context"),
+    ],
+)
+def test_bad_lengths_are_exit_2(base, override, needle, capsys):
+    assert run_data([*base, override]) == 2
+    assert needle in capsys.readouterr().err
+    assert not run_dir_of(base).exists()
+
+
+def test_empty_prompt_source_is_exit_2(tmp_path, tiny_target_dir, capsys):
+    src = tmp_path / "empty.jsonl"
+    src.write_text("")
+    assert (
+        run_data([f"target.model={tiny_target_dir}", f"run.dir={tmp_path / 'run'}", f"data.source={src}"])
+        == 2
+    )
+    assert "data.source" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_vllm_requested_but_missing_is_exit_2(base, monkeypatch, capsys):
+    import distill.utils.subproc as subproc
+
+    monkeypatch.setattr(subproc, "vllm_available", lambda: False)
+    assert run_data([*base, "data.engine=vllm"]) == 2
+    assert "data.engine" in capsys.readouterr().err
+
+
+def test_disk_full_mid_chunk_leaves_no_half_shard_and_resumes(base, tmp_path, monkeypatch, capsys):
+    overrides = [*base, "data.logits.top_k=4"]
+    real = store.write_cache_folder
+    calls = {"n": 0}
+
+    def full_disk(folder, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            (folder).mkdir(parents=True, exist_ok=True)
+            (folder / "blobs.bin").write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(folder, *args, **kwargs)
+
+    monkeypatch.setattr(store, "write_cache_folder", full_disk)
+    assert run_data(overrides) == 1
+    assert "No space left" in capsys.readouterr().err
+    chunks = run_dir_of(base) / "data" / "work" / "chunks"
+    assert [p.name for p in chunks.iterdir()] == ["train-00000"]  # the complete one only, no temporaries
+    monkeypatch.setattr(store, "write_cache_folder", real)
+    assert run_data(overrides) == 0
+    ref = [*[o for o in overrides if not o.startswith("run.dir=")], f"run.dir={tmp_path / 'ref'}"]
+    assert run_data(ref) == 0
+    _same_output(run_dir_of(base), tmp_path / "ref")
