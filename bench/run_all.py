@@ -1,0 +1,194 @@
+"""Run every bench script, one after another, and index their figures in `bench/out/summary.md`.
+
+    python -m bench.run_all                 # `make bench`: every bench with its full default arguments
+    python -m bench.run_all --quick         # each bench's quick self-check
+    python -m bench.run_all --only drafts   # one bench (repeat --only, or give a comma list, for several)
+
+Benches run sequentially, never in parallel (the machine is noisy: parallel runs would time each other), each
+as its own subprocess so one crash cannot take the others down; a failure is recorded and the run continues.
+Each bench's output goes to `bench/out/logs/<bench>.log`; its figures to `bench/out/<stem>.json|md`.
+Exit status: 0 when every bench exited 0, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import OUT_DIR, REPO, machine_info, machine_line, utc_now
+
+BENCHES = ("bench_data", "bench_train", "bench_eval", "bench_drafts")
+# Quick arguments for benches that have no --quick flag (used only when their --help lacks one).
+QUICK_FALLBACK = {"bench_data": ["--skip-vllm", "--prompts", "16", "--max-new-tokens", "64"]}
+_OUT_FLAG = re.compile(r"--out(?![\w-])")
+
+
+def stem(name: str) -> str:
+    """Fragment name of a bench: bench_drafts -> drafts."""
+    return name.removeprefix("bench_")
+
+
+def available(names: Sequence[str] = BENCHES, bench_dir: Path = REPO / "bench") -> list[str]:
+    return [n for n in names if (bench_dir / f"{n}.py").is_file()]
+
+
+def select(only: Sequence[str], present: Sequence[str]) -> list[str]:
+    """The benches named by --only (with or without the bench_ prefix), in the standard order."""
+    if not only:
+        return list(present)
+    wanted = {w if w.startswith("bench_") else f"bench_{w}" for item in only for w in item.split(",") if w}
+    unknown = sorted(wanted - set(BENCHES))
+    if unknown:
+        raise SystemExit(
+            f"--only: unknown bench {unknown}; choose from {', '.join(stem(b) for b in BENCHES)}"
+        )
+    return [n for n in present if n in wanted]
+
+
+def help_text(name: str) -> str:
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", f"bench.{name}", "--help"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout
+
+
+def bench_args(name: str, quick: bool, help_: str, out_dir: Path) -> list[str]:
+    """Arguments for one bench: nothing (its full defaults) or its quick mode; `--out` where it takes one."""
+    args: list[str] = []
+    if quick:
+        args += ["--quick"] if "--quick" in help_ else QUICK_FALLBACK.get(name, [])
+    if _OUT_FLAG.search(help_):  # benches that print unless told where to write their JSON
+        args += ["--out", str(out_dir / f"{stem(name)}.json")]
+    if "--out-dir" in help_ and out_dir != OUT_DIR:
+        args += ["--out-dir", str(out_dir)]
+    return args
+
+
+def run_one(name: str, args: list[str], log_path: Path) -> dict[str, Any]:
+    """Run `python -m bench.NAME ARGS` with its output in `log_path`; never raises for the bench's failure."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["python", "-m", f"bench.{name}", *args])
+    print(f"[{utc_now()}] {command}  (log: {log_path})", flush=True)
+    started, t0 = time.time(), time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as logf:
+        try:
+            rc = subprocess.run(
+                [sys.executable, "-m", f"bench.{name}", *args],
+                cwd=REPO,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+            ).returncode
+        except OSError as exc:
+            logf.write(f"could not start: {exc}\n")
+            rc = -1
+    wall = round(time.perf_counter() - t0, 1)
+    print(f"[{utc_now()}] {name}: exit {rc} after {wall} s", flush=True)
+    return {
+        "name": name,
+        "command": command,
+        "rc": rc,
+        "wall_s": wall,
+        "log": str(log_path),
+        "started": started,
+    }
+
+
+def fragments(name: str, out_dir: Path, since: float) -> list[dict[str, Any]]:
+    """The bench's output files and whether this run wrote them (modified after it started)."""
+    found = []
+    for ext in ("md", "json"):
+        path = out_dir / f"{stem(name)}.{ext}"
+        if path.is_file():
+            found.append({"path": path, "fresh": path.stat().st_mtime >= since})
+    return found
+
+
+def render_summary(
+    results: Sequence[dict[str, Any]], machine: dict[str, Any], quick: bool, out_dir: Path
+) -> str:
+    lines = [
+        "# Benchmark summary" + (" (quick mode: self-check figures, not for BENCHMARKS.md)" if quick else ""),
+        "",
+        f"Machine: {machine_line(machine)}",
+        "",
+        "| bench | exit | wall (s) | command | log |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {stem(r['name'])} | {r['rc']} | {r['wall_s']} | `{r['command']}` | {_rel(r['log'], out_dir)} |"
+        )
+    for r in results:
+        lines += [
+            "",
+            f"## {stem(r['name'])}",
+            "",
+            f"Command: `{r['command']}` — exit {r['rc']}, {r['wall_s']} s.",
+            "",
+        ]
+        frags = r["fragments"]
+        if not frags:
+            lines.append(f"No figure files written; see the log {_rel(r['log'], out_dir)}.")
+        for f in frags:
+            state = "written by this run" if f["fresh"] else "STALE: from an earlier run"
+            lines.append(f"- {_rel(f['path'], out_dir)} ({state})")
+        md = next((f for f in frags if f["path"].suffix == ".md" and f["fresh"]), None)
+        if md is not None:
+            lines += ["", md["path"].read_text(encoding="utf-8").rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def _rel(path: str | Path, base: Path) -> str:
+    p = Path(path)
+    try:
+        return str(p.relative_to(base))
+    except ValueError:
+        return str(p)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from distill.utils.fs import atomic_write_text
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", action="append", default=[], help="bench name (data, train, eval, drafts)")
+    p.add_argument(
+        "--quick", action="store_true", help="each bench's quick self-check instead of the full run"
+    )
+    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    args = p.parse_args(argv)
+    names = select(args.only, available())
+    if not names:
+        print("no bench scripts found", file=sys.stderr)
+        return 1
+    machine = machine_info()
+    results = []
+    for name in names:
+        r = run_one(
+            name,
+            bench_args(name, args.quick, help_text(name), args.out_dir),
+            args.out_dir / "logs" / f"{name}.log",
+        )
+        r["fragments"] = fragments(name, args.out_dir, r["started"])
+        results.append(r)
+    summary = args.out_dir / "summary.md"
+    atomic_write_text(summary, render_summary(results, machine, args.quick, args.out_dir))
+    print(f"wrote {summary}")
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
