@@ -18,7 +18,8 @@ class PublishConfig:
     dir: str = opt("releases", "Folder that holds releases: <dir>/<name>/<version>.")
     name: str = opt("${run.name}-draft", "Release name.")
     version: str = opt(
-        "auto", "`auto` = next integer (1, 2, ...); anything else is used as a tag. An existing tag is refused."
+        "auto",
+        "`auto` = next integer (1, 2, ...); anything else is used as a tag. An existing tag is refused.",
     )
     license: str = opt(
         "auto",
@@ -26,9 +27,12 @@ class PublishConfig:
         "aliases are known), anything else (an SPDX-like id, e.g. apache-2.0) overrides it.",
     )
     tags: list[str] = opt(
-        ["speculative-decoding", "draft-model", "distillation", "vllm"], "Tags in the model card's front matter."
+        ["speculative-decoding", "draft-model", "distillation", "vllm"],
+        "Tags in the model card's front matter.",
     )
-    force: bool = opt(False, "Publish even when the eval gate fails; `force_reason` is written into the card.")
+    force: bool = opt(
+        False, "Publish even when the eval gate fails; `force_reason` is written into the card."
+    )
     force_reason: str = opt("", "Why the gate is overridden (required with force=true; shown in the card).")
     verify: str = opt(
         "",
@@ -36,7 +40,9 @@ class PublishConfig:
         "nothing is published.",
     )
     push_to_hub: bool = opt(False, "Also upload the release with huggingface_hub (token from HF_TOKEN).")
-    hub_repo: str = opt("", "Hub repository (org/name) for push_to_hub; also used as the model id in the card.")
+    hub_repo: str = opt(
+        "", "Hub repository (org/name) for push_to_hub; also used as the model id in the card."
+    )
     hub_private: bool = opt(True, "Create the hub repository as private when it does not exist.")
 
     def problems(self) -> list[str]:

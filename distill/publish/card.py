@@ -1,0 +1,358 @@
+"""The model card (`README.md` with Hugging Face front matter), written only from measured artefacts.
+
+Every figure comes from the run folder: `eval/report.json` (acceptance, speedup, engine, hardware, prompts),
+`config.yaml` (loss, steps, data source), `data/manifest.json` and the train metrics. Nothing is estimated here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distill.utils.fs import read_json
+
+# Hub ids of the built-in target aliases and licenses we know for certain, so a card can name them even though
+# the converted cache folder carries no model card. SmolLM2 is published under Apache-2.0 by HuggingFaceTB.
+ALIAS_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+KNOWN_LICENSES = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "apache-2.0",
+    "HuggingFaceTB/SmolLM2-360M-Instruct": "apache-2.0",
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct": "apache-2.0",
+    # built in code by distill (random weights): distill's own license
+    "tiny-llama": "apache-2.0",
+}
+
+
+@dataclass
+class TargetInfo:
+    ref: str  # target.model as configured
+    hub_id: str | None  # for `base_model` and the `vllm serve` line
+    license: str | None
+    license_source: str
+    serve_as: str = ""  # the model argument of `vllm serve`
+
+
+@dataclass
+class CardInputs:
+    name: str
+    version: str
+    model_ref: str  # what users pass to vLLM as the draft: hub repo or the release folder
+    target: TargetInfo
+    report: dict[str, Any]
+    tags: list[str]
+    training: dict[str, Any] = field(default_factory=dict)
+    forced: bool = False
+    force_reason: str = ""
+    gate_problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Target identity and license
+
+
+def _front_matter(readme: Path) -> dict[str, str]:
+    """Top-level `key: value` scalars of a README's YAML front matter (enough for license/base_model)."""
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    if not text.startswith("---"):
+        return {}
+    out = {}
+    for line in text.splitlines()[1:]:
+        if line.strip() == "---":
+            break
+        key, sep, value = line.partition(":")
+        if sep and not line.startswith((" ", "-")) and value.strip():
+            out[key.strip()] = value.strip().strip("'\"")
+    return out
+
+
+def target_info(ref: str, target_dir: Path | None, override: str) -> TargetInfo:
+    """Who the target is and its license: `publish.license` override, the target's card, then known ids."""
+    hub_id = ALIAS_HUB_IDS.get(ref) or (ref if ref.count("/") == 1 and not Path(ref).exists() else None)
+    serve_as = hub_id or _local_model_path(ref, target_dir)
+    meta = _front_matter(target_dir / "README.md") if target_dir else {}
+    if override != "auto":
+        return TargetInfo(ref, hub_id, override, "publish.license", serve_as)
+    if meta.get("license"):
+        return TargetInfo(ref, hub_id, meta["license"], f"{target_dir}/README.md", serve_as)
+    for key in (hub_id, ref):
+        if key and key in KNOWN_LICENSES:
+            return TargetInfo(ref, hub_id, KNOWN_LICENSES[key], f"known license of {key}", serve_as)
+    return TargetInfo(ref, hub_id, None, "unknown", serve_as)
+
+
+def _local_model_path(ref: str, target_dir: Path | None) -> str:
+    """What vLLM can load for a target without a hub id: its folder (aliases: their cache folder)."""
+    if target_dir is not None:
+        return str(target_dir.resolve())
+    from distill.models.builtin import ALIASES
+
+    return str(ALIASES[ref].folder) if ref in ALIASES else ref
+
+
+# ---------------------------------------------------------------------------------------------------------
+# How it was trained
+
+
+def _last_metrics(run_dir: Path) -> dict[str, float]:
+    """Last logged value of each column across the train stage's metrics.csv files."""
+    out: dict[str, float] = {}
+    for path in sorted((run_dir / "train").rglob("metrics.csv")):
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                for row in csv.DictReader(f):
+                    for k, v in row.items():
+                        if k and v not in (None, ""):
+                            try:
+                                out[k] = float(v)
+                            except ValueError:
+                                continue
+        except OSError:
+            continue
+    return out
+
+
+def _read_json_or_empty(path: Path) -> dict[str, Any]:
+    try:
+        obj = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def training_facts(run_dir: Path, run_config: dict[str, Any]) -> dict[str, Any]:
+    """Data, loss and steps of the run, from its own records (config.yaml, manifest, metrics)."""
+    data, train, draft = (run_config.get(s, {}) for s in ("data", "train", "draft"))
+    manifest = _read_json_or_empty(run_dir / "data" / "manifest.json")
+    metrics = _last_metrics(run_dir)
+    stage_train = _read_json_or_empty(run_dir / "stages" / "train.json").get("summary", {})
+    return {
+        "draft_init": {k: draft.get(k) for k in ("init", "model", "num_layers") if draft.get(k) is not None},
+        "data": {
+            "source": data.get("source"),
+            "responses": data.get("responses"),
+            "max_new_tokens": data.get("max_new_tokens"),
+            "temperature": data.get("temperature"),
+            "manifest": {k: v for k, v in manifest.items() if isinstance(v, (int, float, str))},
+        },
+        "train": {
+            k: train.get(k)
+            for k in (
+                "loss",
+                "max_steps",
+                "batch_size",
+                "grad_accum",
+                "lr",
+                "max_seq_len",
+                "teacher",
+                "precision",
+                "devices",
+                "strategy",
+            )
+            if k in train
+        },
+        "summary": stage_train if isinstance(stage_train, dict) else {},
+        "last_metrics": {k: v for k, v in metrics.items() if k.startswith(("val/", "train/", "step"))},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Serving
+
+
+def best_setting(rows: list[dict[str, Any]], report: dict[str, Any]) -> dict[str, Any] | None:
+    """The k to serve with: the report's recommendation when it names this draft, else the fastest greedy k."""
+    rec = report.get("recommendation") or {}
+    names = {r.get("name") for r in rows}
+    if rec.get("name") in names and rec.get("k"):
+        match = [r for r in rows if r.get("name") == rec["name"] and r.get("k") == rec["k"]]
+        if match:
+            return match[0]
+    greedy = [r for r in rows if float(r.get("temperature", 0.0)) == 0.0] or rows
+    scored = [r for r in greedy if isinstance(r.get("speedup"), (int, float))]
+    return max(scored, key=lambda r: r["speedup"]) if scored else (greedy[0] if greedy else None)
+
+
+def speculative_config(model_ref: str, k: int) -> dict[str, Any]:
+    return {"method": "draft_model", "model": model_ref, "num_speculative_tokens": int(k)}
+
+
+def serve_command(target: TargetInfo, spec: dict[str, Any]) -> str:
+    return f"vllm serve {target.serve_as or target.hub_id or target.ref} --speculative-config '{json.dumps(spec)}'"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rendering
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _yaml_scalar(value: str) -> str:
+    return json.dumps(value)  # a JSON string is a valid YAML scalar, quoting included
+
+
+def front_matter(inp: CardInputs) -> str:
+    lines = ["---"]
+    if inp.target.hub_id:
+        lines.append(f"base_model: {_yaml_scalar(inp.target.hub_id)}")
+    lines.append(f"license: {_yaml_scalar(inp.target.license or 'other')}")
+    lines += ["library_name: transformers", "pipeline_tag: text-generation", "tags:"]
+    lines += [f"- {_yaml_scalar(t)}" for t in inp.tags]
+    lines.append("---")
+    return "\n".join(lines) + "\n"
+
+
+def eval_table(report: dict[str, Any]) -> str:
+    head = (
+        "| draft | method | k | temperature | drafting | acceptance rate | mean acceptance length | tokens/s "
+        "| speedup | greedy match |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = []
+    for r in report.get("results", []):
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    _fmt(r.get("name")),
+                    _fmt(r.get("method") or "none"),
+                    _fmt(r.get("k")),
+                    _fmt(r.get("temperature"), 2),
+                    _fmt(r.get("draft_sample_method")),
+                    _fmt(r.get("acceptance_rate")),
+                    _fmt(r.get("mean_acceptance_length")),
+                    _fmt(r.get("tokens_per_s"), 1),
+                    _fmt(r.get("speedup"), 2),
+                    _fmt(r.get("greedy_match")),
+                ]
+            )
+            + " |"
+        )
+    return head + "\n" + "\n".join(rows)
+
+
+def measurement_context(report: dict[str, Any]) -> str:
+    prompts = report.get("prompts") or {}
+    hardware = report.get("hardware") or report.get("device") or "unknown"
+    if isinstance(hardware, dict):
+        hardware = ", ".join(f"{k}: {v}" for k, v in hardware.items())
+    engine = f"{report.get('engine', 'unknown')} {report.get('engine_version', '')}".strip()
+    return (
+        f"Engine: **{engine}**; hardware: **{hardware}**; prompt set: **{prompts.get('source', 'unknown')}** "
+        f"({prompts.get('count', '?')} prompts); max tokens: {report.get('max_tokens', '?')}. "
+        "Speedup = tokens/s with speculation ÷ tokens/s of the target alone on the same prompts."
+    )
+
+
+def _license_line(t: TargetInfo) -> str:
+    if t.license:
+        return (
+            f"License: `{t.license}` (source: {t.license_source}); the draft inherits the target's weights."
+        )
+    return (
+        "License: **unknown** — the target's license could not be read from its metadata. The draft is "
+        "derived from the target's weights: check the target's license before redistributing, and set "
+        "`publish.license` to record it."
+    )
+
+
+def _forced_section(inp: CardInputs) -> str:
+    if not inp.forced:
+        return ""
+    problems = "\n".join(f"- {p}" for p in inp.gate_problems) or "- (none: the gate passed)"
+    return (
+        f"\n> **Published with `publish.force=true`.** Reason given: {inp.force_reason}\n>\n"
+        f"> The eval gate reported:\n\n{problems}\n"
+    )
+
+
+def _recommendation(report: dict[str, Any]) -> str:
+    rec = report.get("recommendation")
+    if not isinstance(rec, dict):
+        return ""
+    verdict = "deploy" if rec.get("deploy") else "do **not** deploy (speculation is not faster here)"
+    return (
+        f"\nEval's recommendation: {verdict} — {rec.get('name')} at k={rec.get('k')}, temperature "
+        f"{_fmt(rec.get('temperature'), 2)}, speedup {_fmt(rec.get('speedup'), 2)}. {rec.get('reason', '')}\n"
+    )
+
+
+def _training_section(t: dict[str, Any]) -> str:
+    data, train = t.get("data", {}), t.get("train", {})
+    lines = [
+        f"- Starting draft: {json.dumps(t.get('draft_init', {}))}",
+        f"- Data: prompts from `{data.get('source')}`, responses `{data.get('responses')}` by the target "
+        f"(max {data.get('max_new_tokens')} new tokens, temperature {data.get('temperature')}).",
+    ]
+    if data.get("manifest"):
+        lines.append(f"- Data manifest: {json.dumps(data['manifest'], sort_keys=True)}")
+    lines.append(
+        f"- Loss `{train.get('loss')}`, {train.get('max_steps')} optimizer steps, batch "
+        f"{train.get('batch_size')} × accumulation {train.get('grad_accum')}, lr {train.get('lr')}, "
+        f"max sequence length {train.get('max_seq_len')}, teacher `{train.get('teacher')}`, "
+        f"precision {train.get('precision')}."
+    )
+    if t.get("summary"):
+        lines.append(f"- Train summary: {json.dumps(t['summary'], sort_keys=True, default=str)}")
+    if t.get("last_metrics"):
+        shown = ", ".join(f"{k} = {_fmt(v, 4)}" for k, v in sorted(t["last_metrics"].items()))
+        lines.append(f"- Last logged metrics: {shown}")
+    return "\n".join(lines)
+
+
+def render(inp: CardInputs) -> str:
+    """The full README.md."""
+    rows = [r for r in inp.report.get("results", []) if r.get("method") == "draft_model"]
+    ours = [r for r in rows if r.get("name") == "distilled"] or rows
+    best = best_setting(ours, inp.report)
+    k = int(best["k"]) if best and best.get("k") else 4
+    spec = speculative_config(inp.model_ref, k)
+    warnings = "".join(f"\n> Warning: {w}\n" for w in inp.warnings)
+    return f"""{front_matter(inp)}
+# {inp.name} (version {inp.version})
+
+A draft model for **speculative decoding** of `{inp.target.hub_id or inp.target.ref}`, distilled from it with
+`distill` (knowledge distillation on the target's own outputs). It proposes tokens that the target
+verifies, so the target's output is unchanged while decoding can be faster.
+{_forced_section(inp)}{warnings}
+## Serve it with vLLM
+
+```json
+{json.dumps(spec, indent=2)}
+```
+
+```bash
+{serve_command(inp.target, spec)}
+```
+
+## Measured results
+
+{measurement_context(inp.report)}
+
+{eval_table(inp.report)}
+{_recommendation(inp.report)}
+## How it was trained
+
+{_training_section(inp.training)}
+
+## License
+
+{_license_line(inp.target)}
+
+Files: `SHA256SUMS` lists every file of this release (`sha256sum -c SHA256SUMS`); `provenance.json` records
+the code version, packages and the run it came from.
+"""

@@ -1,0 +1,158 @@
+"""The publish gate: a draft is released only when its measured eval says it is worth serving.
+
+Refused (exit 2 unless `publish.force`): no `eval/report.json`, a partial report (`"complete": false`), no
+acceptance gain over the base (undistilled) draft at matching (k, temperature), or a failed `greedy_match`
+at temperature 0 in float32 (speculation must not change the target's greedy output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distill.utils.fs import read_json
+
+REPORT = Path("eval") / "report.json"
+
+
+@dataclass
+class GateResult:
+    report: dict[str, Any] | None
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    distilled: list[dict[str, Any]] = field(default_factory=list)
+    base: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def _same_path(a: Any, b: Path) -> bool:
+    if not isinstance(a, str) or not a:
+        return False
+    try:
+        return Path(a).resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def select_rows(report: dict[str, Any], name: str, path: Path) -> list[dict[str, Any]]:
+    """Speculative result rows for one draft: matched by its folder, else by its label in the report."""
+    rows = [r for r in report.get("results", []) if isinstance(r, dict) and r.get("method") == "draft_model"]
+    by_path = [r for r in rows if _same_path(r.get("draft"), path)]
+    return by_path or [r for r in rows if r.get("name") == name]
+
+
+def _key(row: dict[str, Any]) -> tuple[int, float, str]:
+    return int(row.get("k", 0)), float(row.get("temperature", 0.0)), str(row.get("draft_sample_method"))
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def acceptance_gain(distilled: list[dict[str, Any]], base: list[dict[str, Any]]) -> tuple[float, float, int]:
+    """Mean acceptance rate of each draft over the (k, temperature) pairs both were measured at."""
+    base_by_key = {_key(r): r for r in base if r.get("acceptance_rate") is not None}
+    pairs = [
+        (r, base_by_key[_key(r)])
+        for r in distilled
+        if r.get("acceptance_rate") is not None and _key(r) in base_by_key
+    ]
+    if not pairs:
+        return float("nan"), float("nan"), 0
+    return (
+        _mean([float(d["acceptance_rate"]) for d, _ in pairs]),
+        _mean([float(b["acceptance_rate"]) for _, b in pairs]),
+        len(pairs),
+    )
+
+
+def _greedy_failures(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    failures, unchecked = [], []
+    for r in rows:
+        if float(r.get("temperature", 0.0)) != 0.0 or r.get("dtype", "float32") != "float32":
+            continue  # bf16 verification may flip near-tied argmaxes: reported, not a gate
+        gm = r.get("greedy_match")
+        if gm is None:
+            unchecked.append(f"k={r.get('k')}")
+        elif float(gm) < 1.0:
+            failures.append(f"k={r.get('k')}: greedy_match {float(gm):.3f}")
+    return failures, unchecked
+
+
+def load_report(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    path = run_dir / REPORT
+    if not path.is_file():
+        return None, f"{path} not found: run `distill eval` on this run first"
+    try:
+        report = read_json(path)
+    except (OSError, ValueError) as exc:
+        return None, f"{path} is unreadable ({exc}): rerun `distill eval`"
+    if not isinstance(report, dict):
+        return None, f"{path} is not a JSON object: rerun `distill eval`"
+    return report, None
+
+
+def check(run_dir: Path) -> GateResult:
+    """Evaluate every gate condition for the draft in `run_dir/draft` (all problems, not just the first)."""
+    report, error = load_report(run_dir)
+    result = GateResult(report)
+    if report is None:
+        result.problems.append(error or "eval report missing")
+        return result
+    if report.get("complete", True) is False:
+        why = report.get("error") or report.get("incomplete_reason") or "partial results"
+        result.problems.append(f"{run_dir / REPORT} is incomplete ({why}): rerun `distill eval`")
+    result.distilled = select_rows(report, "distilled", run_dir / "draft")
+    result.base = select_rows(report, "base", run_dir / "draft_init")
+    if not result.distilled:
+        result.problems.append(f"{run_dir / REPORT} has no draft_model results for {run_dir / 'draft'}")
+    elif not result.base:
+        result.problems.append(
+            f"{run_dir / REPORT} has no results for the base draft ({run_dir / 'draft_init'}), so no gain can be "
+            "shown: keep the `base` entry in eval.drafts"
+        )
+    else:
+        ours, theirs, n = acceptance_gain(result.distilled, result.base)
+        if n == 0:
+            result.problems.append(
+                "the distilled and base drafts were not measured at any common (k, temperature)"
+            )
+        elif not ours > theirs:
+            result.problems.append(
+                f"no acceptance gain over the base draft: mean acceptance rate {ours:.4f} vs base {theirs:.4f} "
+                f"over {n} (k, temperature, drafting) settings"
+            )
+    failures, unchecked = _greedy_failures(result.distilled)
+    if failures:
+        result.problems.append(
+            "greedy_match failed at temperature 0 in float32 (speculation changed the "
+            "target's output): " + "; ".join(failures)
+        )
+    if unchecked:
+        result.warnings.append("greedy_match not reported at temperature 0 for " + ", ".join(unchecked))
+    result.warnings.extend(_staleness(run_dir))
+    return result
+
+
+def _staleness(run_dir: Path) -> list[str]:
+    weights = sorted((run_dir / "draft").glob("*.safetensors"))
+    report = run_dir / REPORT
+    if weights and report.is_file() and max(p.stat().st_mtime for p in weights) > report.stat().st_mtime:
+        return [f"{run_dir / 'draft'} was written after {report}; the eval may describe an earlier draft"]
+    return []
+
+
+def summary(result: GateResult) -> dict[str, Any]:
+    ours, theirs, n = acceptance_gain(result.distilled, result.base)
+    return {
+        "passed": result.passed,
+        "problems": result.problems,
+        "warnings": result.warnings,
+        "mean_acceptance_rate": None if n == 0 else ours,
+        "base_mean_acceptance_rate": None if n == 0 else theirs,
+        "compared_settings": n,
+    }

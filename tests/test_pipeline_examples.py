@@ -1,0 +1,93 @@
+"""The scheduler examples in examples/ stay valid: files parse, and every `distill run` they contain loads."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distill.config import load_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _distill_args(command: str) -> tuple[str, list[str]]:
+    """(config path, overrides) of the `distill run` inside a shell command line, shell values filled in."""
+    command = command.replace("\\%", "%").replace("%%", "%")
+    command = re.sub(r"\$\(date [^)]*\)", "2026-12-02", command)
+    values = {"CONFIG": "configs/smollm2-sharegpt.yaml", "RUN_NAME": "slurm-123"}  # others: counts
+    command = re.sub(r'"?\$\{?(\w+)(:-[^}]*)?\}?"?', lambda m: values.get(m.group(1), "4"), command)
+    words = shlex.split(command.replace("\\\n", " "))
+    i = words.index("run")
+    assert words[i - 1].endswith("distill") and words[i + 1] == "-c"
+    config = words[i + 2]
+    overrides = [w for w in words[i + 3 :] if "=" in w and not w.startswith((">", "&"))]
+    return config, overrides
+
+
+def _check_loads(command: str) -> None:
+    config, overrides = _distill_args(command)
+    shipped = Path(__file__).resolve().parents[1] / "configs" / Path(config).name
+    load_config(shipped, overrides)  # raises ConfigError on an unknown key or a bad value
+
+
+def test_cron_line_loads():
+    lines = [
+        ln
+        for ln in (EXAMPLES / "cron" / "distill.cron").read_text().splitlines()
+        if ln and not ln.startswith("#") and "=" not in ln.split()[0]
+    ]
+    assert len(lines) == 1 and len(lines[0].split()[:5]) == 5
+    _check_loads(lines[0].split(None, 5)[5])
+
+
+def test_systemd_units():
+    service = (EXAMPLES / "systemd" / "distill.service").read_text()
+    exec_start = next(ln for ln in service.splitlines() if ln.startswith("ExecStart="))
+    _check_loads(shlex.split(exec_start.removeprefix("ExecStart="))[2])
+    assert "RestartPreventExitStatus=2" in service and "KillSignal=SIGTERM" in service
+    timer = (EXAMPLES / "systemd" / "distill.timer").read_text()
+    assert "OnCalendar=" in timer and "Persistent=true" in timer
+    if shutil.which("systemd-analyze"):
+        out = subprocess.run(
+            ["systemd-analyze", "verify", str(EXAMPLES / "systemd" / "distill.timer")],
+            capture_output=True,
+            text=True,
+        )
+        assert "rror" not in out.stderr, out.stderr
+
+
+def test_slurm_script():
+    script = (EXAMPLES / "slurm" / "distill.sbatch").read_text()
+    subprocess.run(["bash", "-n", str(EXAMPLES / "slurm" / "distill.sbatch")], check=True)
+    assert "#SBATCH --requeue" in script and "scontrol requeue" in script and "trap requeue USR1" in script
+    srun = script[script.index("srun ") : script.index("&\n")]
+    _check_loads(srun)
+
+
+def test_kubernetes_cronjob():
+    yaml = pytest.importorskip("yaml")
+    docs = list(yaml.safe_load_all((EXAMPLES / "kubernetes" / "cronjob.yaml").read_text()))
+    cron = next(d for d in docs if d["kind"] == "CronJob")
+    job = cron["spec"]["jobTemplate"]["spec"]
+    pod = job["template"]["spec"]
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid" and pod["restartPolicy"] == "Never"
+    assert job["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2]
+    _check_loads(pod["containers"][0]["args"][0])
+
+
+def test_readme_covers_every_example():
+    readme = (EXAMPLES / "README.md").read_text()
+    for f in (
+        "cron/distill.cron",
+        "systemd/distill.service",
+        "systemd/distill.timer",
+        "slurm/distill.sbatch",
+        "kubernetes/cronjob.yaml",
+    ):
+        assert (EXAMPLES / f).is_file()
+        assert f in readme

@@ -1,0 +1,343 @@
+"""`distill publish` on a fabricated tiny run: release contents, checksums, versions, the gate, force, hub."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distill import rundir
+from distill.cli import main
+from distill.config import load_config, to_yaml
+from distill.publish import card
+from distill.publish.release import format_sums, parse_sums, read_latest, verify_release
+
+CONFIG = "configs/tiny.yaml"
+
+
+def _row(
+    name: str, draft: Path | None, k: int, acc: float, *, greedy: float = 1.0, speedup: float = 1.2
+) -> dict:
+    drafts = 100
+    return {
+        "name": name,
+        "method": "draft_model",
+        "draft": str(draft),
+        "k": k,
+        "temperature": 0.0,
+        "num_drafts": drafts,
+        "num_draft_tokens": drafts * k,
+        "num_accepted_tokens": int(acc * drafts * k),
+        "acceptance_rate": acc,
+        "mean_acceptance_length": 1 + acc * k,
+        "per_position_acceptance": [acc] * k,
+        "tokens_per_s": 50.0 * speedup,
+        "speedup": speedup,
+        "dtype": "float32",
+        "greedy_match": greedy,
+    }
+
+
+def write_report(
+    run_dir: Path,
+    *,
+    base_acc: float = 0.1,
+    ours_acc: float = 0.6,
+    greedy: float = 1.0,
+    complete: bool | None = None,
+    with_base: bool = True,
+) -> dict:
+    results = [
+        {
+            "name": "no_spec",
+            "method": None,
+            "k": 0,
+            "temperature": 0.0,
+            "output_tokens": 512,
+            "tokens_per_s": 50.0,
+            "speedup": 1.0,
+        }
+    ]
+    for k in (2, 4):
+        if with_base:
+            results.append(_row("base", run_dir / "draft_init", k, base_acc, speedup=0.9))
+        results.append(_row("distilled", run_dir / "draft", k, ours_acc, greedy=greedy, speedup=1.0 + k / 10))
+    report: dict = {
+        "engine": "hf",
+        "engine_version": "reference",
+        "device": "cpu",
+        "target": "tiny",
+        "prompts": {"source": "data/prompts/tiny.jsonl", "count": 16},
+        "max_tokens": 32,
+        "results": results,
+        "recommendation": {
+            "name": "distilled",
+            "k": 4,
+            "temperature": 0.0,
+            "speedup": 1.4,
+            "deploy": True,
+            "reason": "fastest measured setting",
+        },
+    }
+    if complete is not None:
+        report["complete"] = complete
+    (run_dir / "eval").mkdir(parents=True, exist_ok=True)
+    (run_dir / "eval" / "report.json").write_text(json.dumps(report))
+    return report
+
+
+@pytest.fixture()
+def overrides(tiny_config_overrides, tmp_path) -> list[str]:
+    return [*tiny_config_overrides, f"publish.dir={tmp_path / 'releases'}"]
+
+
+@pytest.fixture()
+def run_dir(overrides, tiny_tokenizer) -> Path:
+    """A finished tiny run as the other stages leave it: draft, draft_init, data manifest, metrics, report."""
+    from distill.models.tiny import save_tiny_model
+
+    cfg = load_config(CONFIG, overrides)
+    run = cfg.run_dir
+    save_tiny_model(run / "draft", seed=7, tokenizer=tiny_tokenizer, num_layers=1)
+    save_tiny_model(run / "draft_init", seed=8, tokenizer=tiny_tokenizer, num_layers=1)
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    (run / "data").mkdir()
+    (run / "data" / "manifest.json").write_text(json.dumps({"train_examples": 160, "response_tokens": 4800}))
+    (run / "train").mkdir()
+    with open(run / "train" / "metrics.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "train/loss", "val/expected_acceptance", "val/top1_agreement"])
+        w.writerow([20, 2.5, 0.3, 0.35])
+        w.writerow([60, 1.25, 0.55, 0.61])
+    rundir.mark_complete(cfg, "train", {"steps": 60})
+    write_report(run)
+    return run
+
+
+def publish(overrides: list[str], *extra: str) -> int:
+    return main(["publish", "-c", CONFIG, *overrides, *extra])
+
+
+def release_dir(tmp_path: Path, version: str = "1") -> Path:
+    return tmp_path / "releases" / "tiny-draft" / version
+
+
+def test_release_loads_verifies_and_carries_the_card(run_dir, overrides, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert publish(overrides) == 0
+    rel = release_dir(tmp_path)
+    assert verify_release(rel) == []
+    if shutil.which("sha256sum"):
+        subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=rel, check=True)
+    released = AutoModelForCausalLM.from_pretrained(rel)
+    original = AutoModelForCausalLM.from_pretrained(run_dir / "draft")
+    ids = torch.tensor([[1, 5, 9, 40, 2]])
+    with torch.no_grad():
+        assert torch.equal(released(ids).logits, original(ids).logits)
+    assert len(AutoTokenizer.from_pretrained(rel)) == 512
+    readme = (rel / "README.md").read_text()
+    assert readme.startswith("---\n") and "license:" in readme and '- "speculative-decoding"' in readme
+    assert "| distilled | draft_model | 4 | 0.00 | – | 0.600 | 3.400 |" in readme  # the measured row
+    assert "Engine: **hf reference**" in readme and "data/prompts/tiny.jsonl" in readme
+    spec = {"method": "draft_model", "model": str(rel.resolve()), "num_speculative_tokens": 4}
+    target = load_config(CONFIG, overrides).target.model
+    assert f"vllm serve {Path(target).resolve()} --speculative-config '{json.dumps(spec)}'" in readme
+    assert "Loss `fkl`, 60 optimizer steps" in readme and "val/expected_acceptance = 0.5500" in readme
+    prov = json.loads((rel / "provenance.json").read_text())
+    assert prov["release"]["version"] == "1" and prov["forced"] is False and prov["gate"]["passed"] is True
+    assert prov["source"]["draft_files"]["model.safetensors"]
+    assert read_latest(rel.parent) == "1" and (rel.parent / "latest").resolve() == rel.resolve()
+    assert json.loads((run_dir / "stages" / "publish.json").read_text())["summary"]["version"] == "1"
+
+
+def test_tampered_release_fails_verification(run_dir, overrides, tmp_path, capsys):
+    assert publish(overrides) == 0
+    rel = release_dir(tmp_path)
+    assert publish(overrides, f"publish.verify={rel}") == 0
+    weights = rel / "model.safetensors"
+    os.chmod(weights, 0o644)
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert any("model.safetensors: checksum mismatch" in p for p in verify_release(rel))
+    assert publish(overrides, f"publish.verify={rel}") == 1
+    assert "FAILED" in capsys.readouterr().out
+    (rel / "extra.bin").write_bytes(b"x")
+    (rel / "config.json").unlink()
+    problems = verify_release(rel)
+    assert any("extra.bin" in p and "added" in p for p in problems)
+    assert any("config.json: missing" in p for p in problems)
+
+
+def test_second_publish_is_version_2_and_moves_latest(run_dir, overrides, tmp_path):
+    assert publish(overrides) == 0
+    assert publish(overrides) == 0
+    assert release_dir(tmp_path, "1").is_dir() and release_dir(tmp_path, "2").is_dir()
+    name_dir = release_dir(tmp_path).parent
+    assert read_latest(name_dir) == "2" and os.readlink(name_dir / "latest") == "2"
+    assert (
+        verify_release(release_dir(tmp_path, "1")) == [] and verify_release(release_dir(tmp_path, "2")) == []
+    )
+
+
+def test_tag_version_and_existing_tag_refused(run_dir, overrides, tmp_path, capsys):
+    assert publish(overrides, "publish.version=rc1") == 0
+    assert release_dir(tmp_path, "rc1").is_dir()
+    assert publish(overrides, "publish.version=rc1") == 2
+    assert "already exists" in capsys.readouterr().err
+    assert publish(overrides) == 0  # tags do not take integer numbers
+    assert release_dir(tmp_path, "1").is_dir() and read_latest(release_dir(tmp_path).parent) == "1"
+    assert publish(overrides, "publish.version=../x") == 2
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "report.json not found"),
+        ("incomplete", "is incomplete"),
+        ("no_gain", "no acceptance gain"),
+        ("greedy", "greedy_match failed"),
+        ("no_base", "no results for the base draft"),
+    ],
+)
+def test_gate_refuses_with_exit_2_and_writes_nothing(run_dir, overrides, tmp_path, capsys, case, message):
+    if case == "missing":
+        (run_dir / "eval" / "report.json").unlink()
+    elif case == "incomplete":
+        write_report(run_dir, complete=False)
+    elif case == "no_gain":
+        write_report(run_dir, base_acc=0.6, ours_acc=0.6)
+    elif case == "greedy":
+        write_report(run_dir, greedy=0.75)
+    else:
+        write_report(run_dir, with_base=False)
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert publish(overrides) == 2
+    err = capsys.readouterr().err
+    assert message in err and "publish.force=true" in err
+    assert not (tmp_path / "releases").exists()
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # no provenance/log written either
+
+
+def test_complete_true_report_passes_and_missing_key_counts_as_complete(run_dir, overrides, tmp_path):
+    write_report(run_dir, complete=True)
+    assert publish(overrides) == 0
+
+
+def test_force_publishes_with_the_reason_in_the_card(run_dir, overrides, tmp_path):
+    write_report(run_dir, base_acc=0.6, ours_acc=0.5)
+    assert publish(overrides, "publish.force=true") == 2  # a reason is required
+    assert (
+        publish(overrides, "publish.force=true", "publish.force_reason=checked by hand on GPU traffic") == 0
+    )
+    rel = release_dir(tmp_path)
+    readme = (rel / "README.md").read_text()
+    assert "publish.force=true" in readme and "checked by hand on GPU traffic" in readme
+    assert "no acceptance gain" in readme
+    prov = json.loads((rel / "provenance.json").read_text())
+    assert prov["forced"] is True and prov["force_reason"] == "checked by hand on GPU traffic"
+    assert verify_release(rel) == []
+
+
+def test_force_without_any_eval_says_so(run_dir, overrides, tmp_path):
+    (run_dir / "eval" / "report.json").unlink()
+    assert publish(overrides, "publish.force=true", "publish.force_reason=eval runs elsewhere") == 0
+    readme = (release_dir(tmp_path) / "README.md").read_text()
+    assert "report.json not found" in readme and "eval runs elsewhere" in readme
+    assert verify_release(release_dir(tmp_path)) == []
+
+
+def test_missing_draft_is_an_input_error(run_dir, overrides, capsys):
+    shutil.rmtree(run_dir / "draft")
+    assert publish(overrides) == 2
+    assert "distill train" in capsys.readouterr().err
+
+
+def test_failed_build_leaves_no_release_and_keeps_latest(run_dir, overrides, tmp_path, monkeypatch):
+    assert publish(overrides) == 0
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk vanished")
+
+    monkeypatch.setattr(card, "render", broken)
+    assert publish(overrides) == 1
+    name_dir = release_dir(tmp_path).parent
+    assert sorted(p.name for p in name_dir.iterdir() if not p.name.startswith(".")) == [
+        "1",
+        "LATEST",
+        "latest",
+    ]
+    assert read_latest(name_dir) == "1"
+    assert not [p for p in name_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_push_to_hub_offline_is_a_clear_error(run_dir, overrides, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_never_shown")
+    assert publish(overrides, "publish.push_to_hub=true", "publish.hub_repo=me/tiny-draft") == 2
+    err = capsys.readouterr().err
+    assert "offline" in err and "push_to_hub=false" in err and "hf_secret_never_shown" not in err
+    assert not (tmp_path / "releases").exists()
+    assert publish(overrides, "publish.push_to_hub=true") == 2  # hub_repo required
+
+
+def test_token_is_never_written(run_dir, overrides, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_never_written")
+    assert publish(overrides) == 0
+    for root in (tmp_path / "releases", run_dir):
+        for p in root.rglob("*"):
+            if p.is_file():
+                assert b"hf_secret_never_written" not in p.read_bytes(), p
+
+
+def test_license_from_target_metadata_alias_or_override(tmp_path, run_dir, overrides):
+    unknown = card.target_info(str(tmp_path), tmp_path, "auto")
+    assert unknown.license is None and "unknown" in card._license_line(unknown)
+    smol = card.target_info("smollm2-135m-instruct", None, "auto")
+    assert (smol.license, smol.hub_id) == ("apache-2.0", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert smol.serve_as == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    tiny = card.target_info("tiny-llama", None, "auto")  # no hub id: vLLM gets the alias's cache folder
+    assert tiny.license == "apache-2.0" and tiny.serve_as.endswith("tiny-llama-v1")
+    (tmp_path / "README.md").write_text("---\nlicense: llama3.2\nbase_model: x/y\n---\n# card\n")
+    assert card.target_info(str(tmp_path), tmp_path, "auto").license == "llama3.2"
+    assert card.target_info(str(tmp_path), tmp_path, "mit").license == "mit"
+    assert publish(overrides, "publish.license=mit") == 0
+    assert 'license: "mit"' in (release_dir(tmp_path) / "README.md").read_text()
+
+
+def test_unknown_license_is_stated_in_the_card(run_dir, overrides, tmp_path):
+    assert publish(overrides) == 0  # the session's tiny target is a bare local folder: no license metadata
+    readme = (release_dir(tmp_path) / "README.md").read_text()
+    assert 'license: "other"' in readme and "License: **unknown**" in readme
+
+
+def test_gain_is_compared_at_matching_settings_only(tmp_path):
+    from distill.publish import gate
+
+    base = [
+        _row("base", None, 2, 0.5) | {"draft_sample_method": "greedy"},
+        _row("base", None, 2, 0.1) | {"temperature": 1.0, "draft_sample_method": "probabilistic"},
+    ]
+    ours = [
+        _row("distilled", None, 2, 0.3) | {"draft_sample_method": "greedy"},
+        _row("distilled", None, 4, 0.9) | {"draft_sample_method": "greedy"},
+    ]
+    assert gate.acceptance_gain(ours, base) == (0.3, 0.5, 1)  # k=4 and T=1 have no counterpart
+    assert gate.acceptance_gain(ours, [])[2] == 0
+
+
+def test_sums_format_round_trip():
+    sums = {"a/b.json": "0" * 64, "model.safetensors": "f" * 64}
+    text = format_sums(sums)
+    assert text == f"{'0' * 64}  a/b.json\n{'f' * 64}  model.safetensors\n"
+    assert parse_sums(text) == sums
+    assert parse_sums(f"{'1' * 64} *bin.dat\n") == {"bin.dat": "1" * 64}
+    with pytest.raises(ValueError):
+        parse_sums("nonsense\n")
