@@ -5,21 +5,92 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from distill.schema import opt
+from distill.schema import opt, section
+
+PRECISIONS = ("32", "bf16-mixed")
+
+
+@dataclass
+class LossWeights:
+    fkl: float = opt(0.0, "Weight of forward KL(teacher || student).", ge=0.0)
+    rkl: float = opt(0.0, "Weight of reverse KL(student || teacher).", ge=0.0)
+    jsd: float = opt(0.0, "Weight of the generalized JSD(train.jsd_beta).", ge=0.0)
+    tvd: float = opt(0.0, "Weight of total variation (1 - expected acceptance).", ge=0.0)
+    ce: float = opt(0.0, "Weight of cross-entropy on the target's response tokens.", ge=0.0)
 
 
 @dataclass
 class TrainConfig:
-    loss: Literal["fkl", "rkl", "jsd", "tvd", "ce"] = opt("fkl", "Distillation loss.")
+    loss: Literal["fkl", "rkl", "jsd", "tvd", "ce", "mix"] = opt(
+        "fkl",
+        "Distillation loss: forward KL, reverse KL, JSD(jsd_beta), total variation, cross-entropy on the target's "
+        "tokens, or `mix` = the weighted sum in `loss_weights`.",
+    )
+    loss_weights: LossWeights = section(LossWeights, "Term weights when `loss: mix`.")
+    jsd_beta: float = opt(
+        0.5, "JSD interpolation: 0 = forward KL, 1 = reverse KL, 0.5 = symmetric JSD.", ge=0.0, le=1.0
+    )
+    kd_temperature: float = opt(1.0, "Softmax temperature of teacher and student in the loss.", gt=0.0)
     max_steps: int = opt(200, "Optimizer steps.", ge=1)
     batch_size: int = opt(8, "Sequences per micro-batch per device.", ge=1)
     grad_accum: int = opt(1, "Micro-batches per optimizer step.", ge=1)
     lr: float = opt(1e-4, "Peak learning rate (AdamW).", gt=0.0)
+    min_lr_ratio: float = opt(0.1, "Cosine schedule floor as a fraction of `lr`.", ge=0.0, le=1.0)
+    warmup_steps: int = opt(10, "Linear warm-up steps before the cosine decay.", ge=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only; norms and biases never decay).", ge=0.0)
+    adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
+    adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0.0, lt=1.0)
+    grad_clip: float = opt(1.0, "Clip the gradient norm to this value (0 = off).", ge=0.0)
     max_seq_len: int = opt(512, "Sequences are cut to this many tokens.", ge=8)
-    teacher: Literal["online", "cached"] = opt("online", "Teacher logits from a frozen target or the cache.")
-    devices: int = opt(1, "Devices per node.", ge=1)
+    teacher: Literal["online", "cached"] = opt(
+        "online",
+        "`online` = run the frozen target for every batch; `cached` = use the data stage's top-k logits "
+        "(needs data.logits.top_k > 0; no teacher in memory).",
+    )
+    teacher_dtype: Literal["auto", "float32", "bfloat16"] = opt(
+        "auto", "Precision of the frozen online teacher; `auto` = target.dtype."
+    )
+    eval_temperature: float = opt(
+        1.0, "Temperature of val/expected_acceptance (0 = greedy: equals top-1 agreement).", ge=0.0
+    )
+    val_max_positions: int = opt(
+        8, "Per-position-in-response breakdown of validation figures: positions 0..N-1, then one `N+` bucket.",
+        ge=1,
+    )
+    devices: int = opt(1, "Devices (processes) per node.", ge=1)
+    num_nodes: int = opt(1, "Nodes (machines) in a multi-node run.", ge=1)
+    accelerator: Literal["auto", "cpu", "gpu"] = opt("auto", "Lightning accelerator.")
     strategy: Literal["auto", "ddp", "ddp_spawn", "fsdp"] = opt("auto", "Lightning strategy.")
-    precision: Literal["32", "bf16-mixed"] = opt("32", "Training precision.")
+    # A plain string checked in problems(): `train.precision=32` arrives from YAML/dotlist as the integer 32,
+    # which a Literal["32", ...] would reject.
+    precision: str = opt("32", "Training precision: `32` or `bf16-mixed`.")
+    deterministic: bool = opt(True, "Deterministic algorithms (bit-exact resume on CPU; may be slower on GPU).")
+    num_workers: int = opt(0, "DataLoader worker processes per device.", ge=0)
     val_every: int = opt(50, "Validate every N steps.", ge=1)
     ckpt_every: int = opt(50, "Checkpoint every N steps.", ge=1)
+    log_every: int = opt(5, "Log training metrics every N steps.", ge=1)
     resume: Literal["auto", "never"] = opt("auto", "Continue from the newest valid checkpoint.")
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.precision not in PRECISIONS:
+            out.append(f"precision: got {self.precision!r}, expected one of {', '.join(PRECISIONS)}.")
+        if self.loss == "mix":
+            w = self.loss_weights
+            if not any([w.fkl, w.rkl, w.jsd, w.tvd, w.ce]):
+                out.append("loss_weights: all weights are 0 with loss: mix; give at least one a positive weight.")
+        if self.teacher == "cached" and self.kd_temperature != 1.0:
+            out.append("kd_temperature: must be 1.0 with teacher: cached (the cache holds T=1 log-probs); "
+                       "use teacher: online for another temperature.")
+        if self.teacher == "cached" and self.eval_temperature not in (0.0, 1.0):
+            out.append("eval_temperature: must be 0 or 1 with teacher: cached (the cache holds T=1 log-probs).")
+        if self.warmup_steps > self.max_steps:
+            out.append(f"warmup_steps: {self.warmup_steps} must be <= train.max_steps ({self.max_steps}).")
+        return out
+
+    def loss_weight_map(self) -> dict[str, float]:
+        """The loss as term weights (a single loss is a one-hot mix)."""
+        if self.loss != "mix":
+            return {self.loss: 1.0}
+        w = self.loss_weights
+        return {"fkl": w.fkl, "rkl": w.rkl, "jsd": w.jsd, "tvd": w.tvd, "ce": w.ce}

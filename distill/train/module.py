@@ -1,0 +1,307 @@
+"""The thin LightningModule: a trainable draft, a frozen teacher (or the top-k cache), one loss call per step.
+
+Optimization is manual so that one DataLoader item (= one optimizer step, `grad_accum` micro-batches) is
+normalised by the step's global counted-token count: the gradient is exactly that of the mean loss over every
+counted token of the step, whatever the micro-batching or the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from distill.errors import RuntimeFailure
+from distill.losses import (
+    LossSpec,
+    SparseTeacher,
+    eval_token_stats,
+    per_token_loss,
+    select_labels,
+    shift_mask,
+)
+from distill.train.data import MicroBatch
+from distill.utils.fs import atomic_write_json, read_json
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    max_steps: int
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float
+
+
+def response_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, vocab: int) -> Tensor:
+    """Logits [N, vocab] predicting the counted tokens (row-major), float32.
+
+    The output head runs only on the N response positions (for a 49k vocabulary the full [B, T, V] logits
+    dominate memory). Models that post-process logits (soft-capping, scaling) take the full forward instead.
+    """
+    pred = shift_mask(loss_mask)
+    cfg = getattr(model, "config", None)
+    post = getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if post or decoder is None or head is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[pred]
+    else:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = head(hidden[pred])
+    return logits[:, :vocab].float()
+
+
+class ValAccumulator:
+    """Sums of the validation figures, overall and per position in the response (last bucket = `P+`)."""
+
+    def __init__(self, max_positions: int, device: torch.device | str = "cpu"):
+        self.p = max_positions
+        # [loss_sum, count, acc_sum, top1_sum] + per bucket [acc, top1, count] * (P + 1)
+        self.sums = torch.zeros(4 + 3 * (max_positions + 1), dtype=torch.float64, device=device)
+
+    def update(self, loss: Tensor, acc: Tensor, top1: Tensor, positions: Tensor) -> None:
+        """All [N]: per-token loss, expected acceptance, top-1 agreement, position in response."""
+        s = self.sums
+        s[0] += loss.double().sum()
+        s[1] += loss.numel()
+        s[2] += acc.double().sum()
+        s[3] += top1.double().sum()
+        bucket = positions.clamp(max=self.p).to(s.device)
+        nb = self.p + 1
+        s[4:4 + nb].index_add_(0, bucket, acc.double().to(s.device))
+        s[4 + nb:4 + 2 * nb].index_add_(0, bucket, top1.double().to(s.device))
+        s[4 + 2 * nb:].index_add_(0, bucket, torch.ones_like(acc, dtype=torch.float64).to(s.device))
+
+    def summary(self) -> dict[str, Any]:
+        s = self.sums.cpu().tolist()
+        n = s[1]
+        nb = self.p + 1
+        acc_b, top1_b, cnt_b = s[4:4 + nb], s[4 + nb:4 + 2 * nb], s[4 + 2 * nb:]
+        labels = [str(i) for i in range(self.p)] + [f"{self.p}+"]
+        return {
+            "loss": s[0] / n if n else math.nan,
+            "expected_acceptance": s[2] / n if n else math.nan,
+            "top1_agreement": s[3] / n if n else math.nan,
+            "tokens": int(n),
+            "per_position": {
+                lab: {"expected_acceptance": a / c if c else None, "top1_agreement": t / c if c else None,
+                      "tokens": int(c)}
+                for lab, a, t, c in zip(labels, acc_b, top1_b, cnt_b, strict=False)
+            },
+        }
+
+
+def micro_teacher(teacher: Any | None, mb: MicroBatch, vocab: int) -> Tensor | SparseTeacher | None:
+    """The teacher distribution for the micro-batch's counted tokens: cached rows or a no-grad forward."""
+    if mb.teacher is not None:
+        return mb.teacher
+    if teacher is None:
+        return None
+    with torch.no_grad():
+        return response_logits(teacher, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
+
+
+def eval_micro(draft: Any, teacher: Any | None, mb: MicroBatch, spec: LossSpec, eval_temperature: float,
+               vocab: int, acc: ValAccumulator) -> None:
+    """Add one micro-batch's validation figures to `acc` (no grad)."""
+    with torch.no_grad():
+        s_logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
+        t = micro_teacher(teacher, mb, vocab)
+        if t is None:
+            raise ValueError("validation needs a teacher (online model or top-k cache)")
+        labels = select_labels(mb.input_ids, mb.loss_mask)
+        loss = per_token_loss(spec, s_logits, labels, t)
+        a, top1 = eval_token_stats(s_logits, t, eval_temperature)
+        acc.update(loss, a, top1, mb.positions)
+
+
+def evaluate_draft(draft: Any, teacher: Any | None, loader: Any, spec: LossSpec, *, eval_temperature: float,
+                   vocab: int, max_positions: int) -> dict[str, Any]:
+    """Validation figures of `draft` over `loader` (a plain loop: used for the undistilled baseline)."""
+    acc = ValAccumulator(max_positions)
+    was_training = draft.training
+    draft.eval()
+    for step in loader:
+        for mb in step:
+            eval_micro(draft, teacher, mb, spec, eval_temperature, vocab, acc)
+    draft.train(was_training)
+    return acc.summary()
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """Validation summaries written so far (one per validation, by step)."""
+    if not Path(path).is_file():
+        return []
+    data = read_json(path)
+    return data if isinstance(data, list) else []
+
+
+def append_history(path: Path, summary: dict[str, Any]) -> None:
+    """Add a validation summary; entries at or after its step (from before a resume) are replaced.
+
+    Written from the training process itself so that every strategy (also spawned ranks) leaves the record."""
+    history = [h for h in read_history(path) if h.get("step", -1) < summary["step"]]
+    atomic_write_json(path, [*history, summary])
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: norms and biases (1-d) keep their scale."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def warmup_cosine(step: int, oc: OptimConfig) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine down to `min_lr_ratio` at `max_steps`."""
+    if oc.warmup_steps and step < oc.warmup_steps:
+        return (step + 1) / oc.warmup_steps
+    span = max(1, oc.max_steps - oc.warmup_steps)
+    progress = min(1.0, (step - oc.warmup_steps) / span)
+    return oc.min_lr_ratio + (1 - oc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class DistillModule(L.LightningModule):
+    """Draft (trained) + frozen teacher (held outside the module tree: no checkpoint, DDP or optimizer
+    involvement, never switched to train mode) or none when the batches carry cached top-k rows."""
+
+    def __init__(self, draft: torch.nn.Module, teacher: torch.nn.Module | None, spec: LossSpec, optim: OptimConfig,
+                 *, vocab: int, eval_temperature: float, max_positions: int, hparams: dict[str, Any],
+                 history_path: Path | None = None):
+        super().__init__()
+        self.draft = draft
+        self.draft.train()  # from_pretrained returns eval mode and Lightning does not switch it back
+        if teacher is not None:
+            teacher.eval()
+            teacher.requires_grad_(False)
+        object.__setattr__(self, "_teacher", teacher)  # not a registered submodule (see class docstring)
+        self.spec = spec
+        self.optim = optim
+        self.vocab = vocab
+        self.eval_temperature = eval_temperature
+        self.max_positions = max_positions
+        self.automatic_optimization = False
+        self.save_hyperparameters(hparams)  # plain containers only: safe `weights_only` loading
+        self.history_path = history_path
+        self.eval_step: int | None = None
+        self._val_acc: ValAccumulator | None = None
+        self._t_last: float | None = None
+
+    @property
+    def teacher(self) -> torch.nn.Module | None:
+        teacher: torch.nn.Module | None = self.__dict__["_teacher"]
+        return teacher
+
+    # -- setup -------------------------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        if self.teacher is not None:
+            self.teacher.to(self.device)
+
+    def on_fit_start(self) -> None:
+        if self.teacher is not None:
+            self.teacher.to(self.device).eval()
+
+    def configure_optimizers(self) -> Any:
+        oc = self.optim
+        opt = torch.optim.AdamW(param_groups(self.draft, oc.weight_decay), lr=oc.lr, betas=oc.betas)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, oc))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- training ----------------------------------------------------------------------------------------
+
+    def _global_sums(self, *values: float) -> list[float]:
+        """Sum each value over all ranks (one collective)."""
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        if self.trainer.world_size > 1:
+            t = self.trainer.strategy.reduce(t, reduce_op="sum")
+        return [float(x) for x in t.tolist()]
+
+    def training_step(self, batch: list[MicroBatch], batch_idx: int) -> Tensor:
+        opt: Any = self.optimizers()
+        sched: Any = self.lr_schedulers()
+        n_global, tokens_global = self._global_sums(sum(mb.num_tokens for mb in batch),
+                                                    sum(int(mb.attention_mask.sum()) for mb in batch))
+        # DDP averages gradients over ranks; multiplying by world size turns that into the global sum.
+        scale = self.trainer.world_size / max(n_global, 1.0)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        bad_rows: list[int] = []
+        for mb in batch:
+            s_logits = response_logits(self.draft, mb.input_ids, mb.attention_mask, mb.loss_mask, self.vocab)
+            teacher = micro_teacher(self.teacher, mb, self.vocab)
+            loss_sum = per_token_loss(self.spec, s_logits, select_labels(mb.input_ids, mb.loss_mask), teacher).sum()
+            if not torch.isfinite(loss_sum):
+                bad_rows.extend(mb.rows.tolist())
+            self.manual_backward(loss_sum * scale)
+            total += loss_sum.detach().double()
+        # The reduced loss is the same on every rank, so all ranks stop together (no DDP hang), and the bad
+        # step is never applied to the weights.
+        loss = self._global_sums(float(total))[0] / max(n_global, 1.0)
+        if not math.isfinite(loss):
+            self._non_finite(loss, batch_idx, bad_rows)
+        if self.optim.grad_clip > 0:
+            self.clip_gradients(opt, gradient_clip_val=self.optim.grad_clip, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        self._log_train(loss, tokens_global, n_global, sched.get_last_lr()[0])
+        return torch.tensor(loss)
+
+    def _log_train(self, loss: float, tokens: float, counted: float, lr: float) -> None:
+        now = time.perf_counter()
+        metrics = {"train/loss": loss, "train/lr": lr, "train/counted_tokens": counted}
+        if self._t_last is not None:
+            metrics["train/tokens_per_s"] = tokens / max(now - self._t_last, 1e-9)
+        self._t_last = now
+        self.log_dict(metrics, prog_bar=False, on_step=True, on_epoch=False, rank_zero_only=True)
+        self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=False, logger=False, rank_zero_only=True)
+        if "train/tokens_per_s" in metrics:
+            self.log("tok/s", metrics["train/tokens_per_s"], prog_bar=True, on_step=True, on_epoch=False,
+                     logger=False, rank_zero_only=True)
+
+    def _non_finite(self, loss: float, batch_idx: int, rows: list[int]) -> None:
+        where = f"dataset rows {rows[:16]} on rank {self.global_rank}" if rows else "on another rank"
+        raise RuntimeFailure(
+            f"training loss is {loss} at step {self.global_step} (batch {batch_idx}, {where}). Try a lower "
+            "train.lr, train.grad_clip=1.0, train.precision=32 or train.teacher_dtype=float32; the last checkpoint "
+            "is kept and resuming starts from it."
+        )
+
+    # -- validation --------------------------------------------------------------------------------------
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_acc = ValAccumulator(self.max_positions, device=self.device)
+        if self.teacher is not None:
+            self.teacher.eval()
+
+    def validation_step(self, batch: list[MicroBatch], batch_idx: int) -> None:
+        assert self._val_acc is not None
+        for mb in batch:
+            eval_micro(self.draft, self.teacher, mb, self.spec, self.eval_temperature, self.vocab, self._val_acc)
+
+    def on_validation_epoch_end(self) -> None:
+        assert self._val_acc is not None
+        if self.trainer.world_size > 1:
+            self._val_acc.sums = self.trainer.strategy.reduce(self._val_acc.sums, reduce_op="sum")
+        summary = self._val_acc.summary()
+        # A stand-alone `trainer.validate` (spawned ranks start with a fresh loop state) reports `eval_step`.
+        fitting = self.trainer.state.fn == "fit"
+        summary["step"] = int(self.global_step) if fitting or self.eval_step is None else self.eval_step
+        if self.trainer.is_global_zero and self.history_path is not None:
+            append_history(self.history_path, summary)
+        metrics = {"val/loss": summary["loss"], "val/expected_acceptance": summary["expected_acceptance"],
+                   "val/top1_agreement": summary["top1_agreement"]}
+        for lab, pos in summary["per_position"].items():
+            if pos["tokens"]:
+                metrics[f"val_pos/expected_acceptance_{lab}"] = pos["expected_acceptance"]
+                metrics[f"val_pos/top1_agreement_{lab}"] = pos["top1_agreement"]
+        self.log_dict(metrics, prog_bar=False, sync_dist=False, rank_zero_only=True)
+        self.log("val_acc", summary["expected_acceptance"], prog_bar=True, logger=False, rank_zero_only=True)

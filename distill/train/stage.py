@@ -1,0 +1,371 @@
+"""`distill train`: distil the draft on the target's distributions over the data stage's responses.
+
+Validate everything (model references, vocabulary, data, checkpoint) -> record the stage -> build the draft
+and save it as `draft_init/` -> measure the undistilled draft -> Lightning fit (resumable, SIGTERM-safe) ->
+export `draft/` -> mark complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distill import rundir
+from distill.config import Config, to_dict
+from distill.errors import InputError, Interrupted
+from distill.losses import LossSpec
+from distill.train.callbacks import AtomicCheckpoint, StopFlag
+from distill.utils.fs import atomic_write_json, read_json, remove_stale_temporaries
+
+log = logging.getLogger("distill.train")
+
+
+@dataclass
+class Plan:
+    """What validation found: everything `run` needs before any weights load."""
+
+    target_dir: Path
+    train_dir: Path
+    ckpt_path: Path
+    resume_from: Path | None
+    spec: LossSpec
+    train_rows: int
+    val_rows: int
+
+
+def train_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "train"
+
+
+def is_child_rank() -> bool:
+    """True in the processes Lightning's `ddp` launcher (or a multi-node launch) starts besides rank 0: they
+    re-run this stage, and must not write the run folder's shared files."""
+    return int(os.environ.get("LOCAL_RANK", "0")) > 0 or int(os.environ.get("NODE_RANK", "0")) > 0
+
+
+def loss_spec(cfg: Config) -> LossSpec:
+    t = cfg.train
+    return LossSpec(t.loss_weight_map(), jsd_beta=t.jsd_beta, temperature=t.kd_temperature)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation (nothing written)
+
+
+def _check_data(cfg: Config) -> tuple[int, int]:
+    from distill.train.data import load_rows
+
+    cached = cfg.train.teacher == "cached"
+    train = load_rows(cfg.run_dir, "train", cached=cached, max_seq_len=cfg.train.max_seq_len)
+    val = load_rows(cfg.run_dir, "val", cached=cached, max_seq_len=cfg.train.max_seq_len)
+    t = cfg.train
+    world = t.devices * t.num_nodes
+    need = t.batch_size * t.grad_accum * world
+    if len(train) < need:
+        raise InputError(
+            f"train.batch_size: one optimizer step needs {need} sequences (batch_size {t.batch_size} x grad_accum "
+            f"{t.grad_accum} x {world} processes) but {cfg.run_dir}/data/train has {len(train)} usable rows. "
+            "Lower train.batch_size / train.grad_accum, or build more data (data.max_train_prompts)."
+        )
+    if len(val) == 0:
+        raise InputError(
+            f"{cfg.run_dir}/data/val has no usable rows; validation needs some. Rerun `distill data` with "
+            "data.val_fraction > 0 (and data.max_val_prompts > 0)."
+        )
+    if cached and train.cache is not None:
+        from distill.models.draft import load_model_config
+        from distill.models.resolve import resolve_model
+
+        target_vocab = int(load_model_config(resolve_model(cfg.target.model, key="target.model")).vocab_size)
+        if train.cache.meta.vocab_size != target_vocab:
+            raise InputError(
+                f"{cfg.run_dir}/data/topk: the cache was built for a vocabulary of {train.cache.meta.vocab_size} "
+                f"rows, the target ({cfg.target.model}) has {target_vocab}. Rebuild the data with this target "
+                "(`distill data` with data.overwrite=true)."
+            )
+    return len(train), len(val)
+
+
+def _check_resume(cfg: Config, ckpt: Path) -> Path | None:
+    if cfg.train.resume == "never" or not ckpt.is_file():
+        return None
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise InputError(
+            f"{ckpt}: cannot be loaded safely ({type(exc).__name__}: {exc}). Delete it or set train.resume=never "
+            "to start over."
+        ) from exc
+    saved = (state.get("hyper_parameters") or {}).get("stage_hash")
+    if saved != rundir.stage_hash(cfg, "train"):
+        raise InputError(
+            f"{ckpt}: this checkpoint was trained with a different config (target/draft/data/train sections or "
+            "run.seed). Use a new run.dir, restore the config, or set train.resume=never to start over."
+        )
+    return ckpt
+
+
+def _check_models(cfg: Config) -> Path:
+    from distill.models.draft import preflight_draft
+    from distill.models.resolve import resolve_model
+
+    target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
+    preflight_draft(cfg, target_dir)  # vocabulary / layer checks on configs and tokenizers only
+    return target_dir
+
+
+def _check_hardware(cfg: Config) -> None:
+    t = cfg.train
+    has_gpu = torch.cuda.is_available()
+    if t.accelerator == "gpu" and not has_gpu:
+        raise InputError("train.accelerator: 'gpu' but no CUDA device is visible; use train.accelerator=auto or cpu.")
+    if t.strategy == "fsdp" and (t.accelerator == "cpu" or not has_gpu):
+        raise InputError(
+            "train.strategy: Lightning's FSDP strategy runs on GPUs only (it refuses accelerator='cpu'). On CPU "
+            "use train.strategy=ddp (or ddp_spawn) with train.devices=N processes."
+        )
+    if t.precision == "bf16-mixed" and has_gpu and t.accelerator != "cpu" and not torch.cuda.is_bf16_supported():
+        raise InputError("train.precision: this GPU has no bfloat16 support; use train.precision=32.")
+
+
+def validate(cfg: Config) -> Plan:
+    spec = loss_spec(cfg)
+    _check_hardware(cfg)
+    target_dir = _check_models(cfg)
+    n_train, n_val = _check_data(cfg)
+    tdir = train_dir(cfg.run_dir)
+    ckpt = tdir / "last.ckpt"
+    return Plan(target_dir=target_dir, train_dir=tdir, ckpt_path=ckpt, resume_from=_check_resume(cfg, ckpt),
+                spec=spec, train_rows=n_train, val_rows=n_val)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building
+
+
+def _teacher_dtype(cfg: Config) -> str:
+    return cfg.target.dtype if cfg.train.teacher_dtype == "auto" else cfg.train.teacher_dtype
+
+
+def load_teacher(cfg: Config, target_dir: Path) -> Any | None:
+    if cfg.train.teacher == "cached":
+        return None
+    from distill.models.draft import load_causal_lm
+
+    teacher = load_causal_lm(target_dir, dtype=_teacher_dtype(cfg), trust_remote_code=cfg.target.trust_remote_code)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def build_module(cfg: Config, draft: Any, teacher: Any | None, spec: LossSpec, vocab: int) -> Any:
+    from distill.train.module import DistillModule, OptimConfig
+
+    t = cfg.train
+    optim = OptimConfig(lr=t.lr, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
+                        weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), grad_clip=t.grad_clip)
+    hparams = {"config": {s: to_dict(getattr(cfg, s)) for s in ("run", "target", "draft", "data", "train")},
+               "stage_hash": rundir.stage_hash(cfg, "train")}
+    return DistillModule(draft, teacher, spec, optim, vocab=vocab, eval_temperature=t.eval_temperature,
+                         max_positions=t.val_max_positions, hparams=hparams,
+                         history_path=train_dir(cfg.run_dir) / "val_history.json")
+
+
+def build_datamodule(cfg: Config, pad_id: int) -> Any:
+    from distill.train.data import DistillDataModule
+
+    t = cfg.train
+    return DistillDataModule(cfg.run_dir, batch_size=t.batch_size, grad_accum=t.grad_accum,
+                             max_seq_len=t.max_seq_len, cached=t.teacher == "cached", pad_id=pad_id,
+                             seed=cfg.run.seed, num_workers=t.num_workers)
+
+
+def build_trainer(cfg: Config, plan: Plan, stop: StopFlag) -> Any:
+    import lightning as L
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    t = cfg.train
+    # One CSV folder per attempt (a resumed run must not overwrite the earlier attempt's rows); `_finish`
+    # merges them into train/metrics.csv.
+    loggers = [CSVLogger(str(plan.train_dir), name="csv"),
+               TensorBoardLogger(str(plan.train_dir), name="tensorboard", version="")]
+    callbacks = [AtomicCheckpoint(plan.ckpt_path, every=t.ckpt_every, max_steps=t.max_steps, stop=stop),
+                 RichProgressBar(leave=True)]
+    return L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
+        precision="32-true" if t.precision == "32" else "bf16-mixed", max_steps=t.max_steps, max_epochs=-1,
+        val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        logger=loggers, callbacks=callbacks, enable_checkpointing=False, use_distributed_sampler=False,
+        deterministic=t.deterministic, log_every_n_steps=t.log_every, default_root_dir=str(plan.train_dir),
+        enable_model_summary=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Run
+
+
+def _save_draft_init(cfg: Config, draft: Any, tokenizer: Any, target_dir: Path, plan: Plan) -> None:
+    from distill.models.draft import save_hf_folder
+
+    out = cfg.run_dir / "draft_init"
+    if plan.resume_from is not None and (out / "config.json").is_file():
+        return
+    save_hf_folder(draft, tokenizer, out, generation_source=target_dir)
+    log.info("saved the undistilled draft to %s", out)
+
+
+def _baseline(cfg: Config, draft: Any, teacher: Any | None, plan: Plan, pad_id: int, vocab: int) -> dict[str, Any]:
+    """Validation figures of the undistilled draft (computed once per run folder)."""
+    from distill.train.data import load_rows, val_loader
+    from distill.train.module import evaluate_draft
+
+    path = plan.train_dir / "baseline.json"
+    if plan.resume_from is not None and path.is_file():
+        return read_json(path)  # type: ignore[no-any-return]
+    rows = load_rows(cfg.run_dir, "val", cached=cfg.train.teacher == "cached", max_seq_len=cfg.train.max_seq_len)
+    t0 = time.perf_counter()
+    figures = evaluate_draft(draft, teacher, val_loader(rows, cfg.train.batch_size, pad_id), plan.spec,
+                             eval_temperature=cfg.train.eval_temperature, vocab=vocab,
+                             max_positions=cfg.train.val_max_positions)
+    figures["step"] = 0
+    figures["seconds"] = round(time.perf_counter() - t0, 3)
+    atomic_write_json(path, figures)
+    log.info("undistilled draft: val/expected_acceptance %.4f, val/top1_agreement %.4f, val/loss %.4f",
+             figures["expected_acceptance"], figures["top1_agreement"], figures["loss"])
+    return figures
+
+
+def _fit(trainer: Any, module: Any, dm: Any, plan: Plan, stop: StopFlag) -> None:
+    """trainer.fit with SIGTERM turned into "save at the next step boundary, then exit 130"."""
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    if main:
+        signal.signal(signal.SIGTERM, stop.handler)
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None,
+                    weights_only=True)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    if stop.requested:  # the signal came after the last step boundary: the final checkpoint is already saved
+        raise Interrupted("received SIGTERM; checkpoint saved, rerun the same command to resume.")
+
+
+def _export(cfg: Config, module: Any, tokenizer: Any, target_dir: Path) -> Path:
+    from distill.models.draft import save_hf_folder
+
+    draft = module.draft
+    draft.eval()
+    return save_hf_folder(draft, tokenizer, cfg.run_dir / "draft", generation_source=target_dir)
+
+
+def run(cfg: Config) -> int | None:
+    import lightning as L
+
+    from distill.models.draft import build_initial_draft, load_model_config, load_tokenizer
+
+    plan = validate(cfg)
+    child = is_child_rank()
+    if not child:
+        rundir.start_stage(cfg, "train")
+        plan.train_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(plan.train_dir)
+        remove_stale_temporaries(cfg.run_dir)
+        if plan.resume_from is None:  # a fresh start: earlier validations belong to another training
+            for stale in ("val_history.json", "baseline.json", "val_metrics.json"):
+                (plan.train_dir / stale).unlink(missing_ok=True)
+        log.info("train: %d train rows, %d val rows, loss %s, teacher %s, %s",
+                 plan.train_rows, plan.val_rows, plan.spec.weights, cfg.train.teacher,
+                 f"resuming from {plan.resume_from}" if plan.resume_from else "from scratch")
+    L.seed_everything(cfg.run.seed, workers=True, verbose=False)
+    tokenizer = load_tokenizer(plan.target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    draft = build_initial_draft(cfg, plan.target_dir)
+    # Compare distributions over the rows both embedding tables have (tables may be padded past the tokenizer).
+    vocab = min(int(draft.config.vocab_size), int(load_model_config(plan.target_dir).vocab_size))
+    teacher = load_teacher(cfg, plan.target_dir)
+    baseline: dict[str, Any] | None = None
+    if not child:
+        _save_draft_init(cfg, draft, tokenizer, plan.target_dir, plan)
+        baseline = _baseline(cfg, draft, teacher, plan, pad_id, vocab)
+    L.seed_everything(cfg.run.seed, workers=True, verbose=False)
+    stop = StopFlag()
+    module = build_module(cfg, draft, teacher, plan.spec, vocab)
+    dm = build_datamodule(cfg, pad_id)
+    trainer = build_trainer(cfg, plan, stop)
+    t0 = time.perf_counter()
+    _fit(trainer, module, dm, plan, stop)
+    # fit returns only at max_steps (an interruption raises); spawned strategies leave the parent's loop
+    # state at 0, so the configured step count is the reliable one.
+    # Decided from the config, not from files, so every rank takes the same (collective) branch.
+    steps = cfg.train.max_steps
+    if steps % cfg.train.val_every:
+        module.eval_step = steps
+        trainer.validate(module, datamodule=dm, verbose=False)
+    if not trainer.is_global_zero or child:
+        return None
+    _finish(cfg, plan, module, steps, tokenizer, baseline, time.perf_counter() - t0)
+    return None
+
+
+def merge_csv_logs(tdir: Path) -> Path:
+    """train/csv/version_*/metrics.csv -> train/metrics.csv; rows an attempt replayed after resuming from an
+    earlier step replace the interrupted attempt's rows from that step on."""
+    import csv
+    import io
+
+    from distill.utils.fs import atomic_write_text
+
+    versions = sorted((tdir / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    rows: list[dict[str, str]] = []
+    header: list[str] = []
+    for path in versions:
+        with open(path, newline="") as f:
+            new = list(csv.DictReader(f))
+        steps = [int(r["step"]) for r in new if r.get("step")]
+        if steps:
+            rows = [r for r in rows if int(r.get("step") or 0) < min(steps)]
+        rows.extend(new)
+        header.extend(k for k in (new[0].keys() if new else []) if k not in header)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=header, restval="")
+    writer.writeheader()
+    writer.writerows(rows)
+    out = tdir / "metrics.csv"
+    atomic_write_text(out, buf.getvalue())
+    return out
+
+
+def _finish(cfg: Config, plan: Plan, module: Any, steps: int, tokenizer: Any, baseline: dict[str, Any] | None,
+            seconds: float) -> None:
+    from distill.train.module import read_history
+
+    out = _export(cfg, module, tokenizer, plan.target_dir)
+    history = read_history(plan.train_dir / "val_history.json")
+    final = history[-1] if history else {}
+    atomic_write_json(plan.train_dir / "val_metrics.json", {"baseline": baseline, "final": final})
+    merge_csv_logs(plan.train_dir)
+    summary: dict[str, Any] = {
+        "steps": steps,
+        "seconds_this_run": round(seconds, 1),
+        "baseline": {k: (baseline or {}).get(k) for k in ("expected_acceptance", "top1_agreement", "loss")},
+        "final": {k: final.get(k) for k in ("expected_acceptance", "top1_agreement", "loss")},
+        "draft": str(out),
+        "checkpoint": str(plan.ckpt_path),
+    }
+    log.info("trained %d steps: val/expected_acceptance %.4f -> %.4f, val/top1_agreement %.4f -> %.4f; draft at %s",
+             summary["steps"], summary["baseline"]["expected_acceptance"] or float("nan"),
+             final.get("expected_acceptance", float("nan")), summary["baseline"]["top1_agreement"] or float("nan"),
+             final.get("top1_agreement", float("nan")), out)
+    rundir.mark_complete(cfg, "train", summary)
