@@ -132,7 +132,9 @@ def _value_ok(value: Any, tp: Any) -> bool:
         return optional
     origin = get_origin(inner)
     if origin is Literal:
-        return value in get_args(inner)
+        allowed = get_args(inner)
+        # YAML reads `precision: 32` as an integer; a Literal of strings accepts its string form.
+        return value in allowed or (all(isinstance(a, str) for a in allowed) and str(value) in allowed)
     if origin in (list, typing.List):  # noqa: UP006
         return isinstance(value, (list, ListConfig))
     if dataclasses.is_dataclass(inner):

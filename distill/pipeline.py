@@ -12,6 +12,7 @@ them up), and stop there.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -137,7 +138,8 @@ def run(cfg: Config) -> int:
             continue
         for later in rundir.STAGES[rundir.STAGES.index(stage) :]:
             rundir.clear_complete(cfg, later)  # a failed rerun must not leave stale "complete" records
-        code = _run_stage(cfg, stage, funcs[stage])
+        stage_cfg = _fresh_outputs(cfg, stage) if action in ("changed", "redo") else cfg
+        code = _run_stage(stage_cfg, stage, funcs[stage])
         if not in_file and _attach_log(cfg):  # a fresh run: put the plan into the new log file too
             in_file = True
             log.info("distill run plan: %s", ", ".join(f"{s}={a}" for s, a in steps))
@@ -146,6 +148,17 @@ def run(cfg: Config) -> int:
     _status(cfg, status="done")
     log.info("pipeline complete: %s", cfg.run_dir)
     return EXIT_OK
+
+
+def _fresh_outputs(cfg: Config, stage: str) -> Config:
+    """The config a stage reruns with when its previous outputs came from another config (or from inputs that
+    are being rebuilt): data overwrites its old records, train starts from step 0 instead of resuming an old
+    checkpoint. Both keys are `run_only`, so the stage hash is unchanged."""
+    if stage == "data":
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, overwrite=True))
+    if stage == "train":
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="never"))
+    return cfg
 
 
 def _run_stage(cfg: Config, stage: str, fn: StageFn) -> int:

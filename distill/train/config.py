@@ -36,8 +36,12 @@ class TrainConfig:
     grad_accum: int = opt(1, "Micro-batches per optimizer step.", ge=1)
     lr: float = opt(1e-4, "Peak learning rate (AdamW).", gt=0.0)
     min_lr_ratio: float = opt(0.1, "Cosine schedule floor as a fraction of `lr`.", ge=0.0, le=1.0)
-    warmup_steps: int = opt(10, "Linear warm-up steps before the cosine decay.", ge=0)
-    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only; norms and biases never decay).", ge=0.0)
+    warmup_steps: int = opt(
+        10, "Linear warm-up steps before the cosine decay (capped at max_steps for short runs).", ge=0
+    )
+    weight_decay: float = opt(
+        0.0, "AdamW weight decay (matrices only; norms and biases never decay).", ge=0.0
+    )
     adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
     adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0.0, lt=1.0)
     grad_clip: float = opt(1.0, "Clip the gradient norm to this value (0 = off).", ge=0.0)
@@ -54,7 +58,8 @@ class TrainConfig:
         1.0, "Temperature of val/expected_acceptance (0 = greedy: equals top-1 agreement).", ge=0.0
     )
     val_max_positions: int = opt(
-        8, "Per-position-in-response breakdown of validation figures: positions 0..N-1, then one `N+` bucket.",
+        8,
+        "Per-position-in-response breakdown of validation figures: positions 0..N-1, then one `N+` bucket.",
         ge=1,
     )
     devices: int = opt(1, "Devices (processes) per node.", ge=1)
@@ -64,12 +69,16 @@ class TrainConfig:
     # A plain string checked in problems(): `train.precision=32` arrives from YAML/dotlist as the integer 32,
     # which a Literal["32", ...] would reject.
     precision: str = opt("32", "Training precision: `32` or `bf16-mixed`.")
-    deterministic: bool = opt(True, "Deterministic algorithms (bit-exact resume on CPU; may be slower on GPU).")
-    num_workers: int = opt(0, "DataLoader worker processes per device.", ge=0)
+    deterministic: bool = opt(
+        True, "Deterministic algorithms (bit-exact resume on CPU; may be slower on GPU)."
+    )
+    num_workers: int = opt(0, "DataLoader worker processes per device.", ge=0, run_only=True)
     val_every: int = opt(50, "Validate every N steps.", ge=1)
-    ckpt_every: int = opt(50, "Checkpoint every N steps.", ge=1)
-    log_every: int = opt(5, "Log training metrics every N steps.", ge=1)
-    resume: Literal["auto", "never"] = opt("auto", "Continue from the newest valid checkpoint.")
+    ckpt_every: int = opt(50, "Checkpoint every N steps.", ge=1, run_only=True)
+    log_every: int = opt(5, "Log training metrics every N steps.", ge=1, run_only=True)
+    resume: Literal["auto", "never"] = opt(
+        "auto", "Continue from the newest valid checkpoint.", run_only=True
+    )
 
     def problems(self) -> list[str]:
         out = []
@@ -78,14 +87,18 @@ class TrainConfig:
         if self.loss == "mix":
             w = self.loss_weights
             if not any([w.fkl, w.rkl, w.jsd, w.tvd, w.ce]):
-                out.append("loss_weights: all weights are 0 with loss: mix; give at least one a positive weight.")
+                out.append(
+                    "loss_weights: all weights are 0 with loss: mix; give at least one a positive weight."
+                )
         if self.teacher == "cached" and self.kd_temperature != 1.0:
-            out.append("kd_temperature: must be 1.0 with teacher: cached (the cache holds T=1 log-probs); "
-                       "use teacher: online for another temperature.")
+            out.append(
+                "kd_temperature: must be 1.0 with teacher: cached (the cache holds T=1 log-probs); "
+                "use teacher: online for another temperature."
+            )
         if self.teacher == "cached" and self.eval_temperature not in (0.0, 1.0):
-            out.append("eval_temperature: must be 0 or 1 with teacher: cached (the cache holds T=1 log-probs).")
-        if self.warmup_steps > self.max_steps:
-            out.append(f"warmup_steps: {self.warmup_steps} must be <= train.max_steps ({self.max_steps}).")
+            out.append(
+                "eval_temperature: must be 0 or 1 with teacher: cached (the cache holds T=1 log-probs)."
+            )
         return out
 
     def loss_weight_map(self) -> dict[str, float]:

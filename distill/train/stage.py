@@ -125,13 +125,20 @@ def _check_hardware(cfg: Config) -> None:
     t = cfg.train
     has_gpu = torch.cuda.is_available()
     if t.accelerator == "gpu" and not has_gpu:
-        raise InputError("train.accelerator: 'gpu' but no CUDA device is visible; use train.accelerator=auto or cpu.")
+        raise InputError(
+            "train.accelerator: 'gpu' but no CUDA device is visible; use train.accelerator=auto or cpu."
+        )
     if t.strategy == "fsdp" and (t.accelerator == "cpu" or not has_gpu):
         raise InputError(
             "train.strategy: Lightning's FSDP strategy runs on GPUs only (it refuses accelerator='cpu'). On CPU "
             "use train.strategy=ddp (or ddp_spawn) with train.devices=N processes."
         )
-    if t.precision == "bf16-mixed" and has_gpu and t.accelerator != "cpu" and not torch.cuda.is_bf16_supported():
+    if (
+        t.precision == "bf16-mixed"
+        and has_gpu
+        and t.accelerator != "cpu"
+        and not torch.cuda.is_bf16_supported()
+    ):
         raise InputError("train.precision: this GPU has no bfloat16 support; use train.precision=32.")
 
 
@@ -142,8 +149,15 @@ def validate(cfg: Config) -> Plan:
     n_train, n_val = _check_data(cfg)
     tdir = train_dir(cfg.run_dir)
     ckpt = tdir / "last.ckpt"
-    return Plan(target_dir=target_dir, train_dir=tdir, ckpt_path=ckpt, resume_from=_check_resume(cfg, ckpt),
-                spec=spec, train_rows=n_train, val_rows=n_val)
+    return Plan(
+        target_dir=target_dir,
+        train_dir=tdir,
+        ckpt_path=ckpt,
+        resume_from=_check_resume(cfg, ckpt),
+        spec=spec,
+        train_rows=n_train,
+        val_rows=n_val,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -159,7 +173,9 @@ def load_teacher(cfg: Config, target_dir: Path) -> Any | None:
         return None
     from distill.models.draft import load_causal_lm
 
-    teacher = load_causal_lm(target_dir, dtype=_teacher_dtype(cfg), trust_remote_code=cfg.target.trust_remote_code)
+    teacher = load_causal_lm(
+        target_dir, dtype=_teacher_dtype(cfg), trust_remote_code=cfg.target.trust_remote_code
+    )
     teacher.eval()
     teacher.requires_grad_(False)
     return teacher
@@ -169,22 +185,46 @@ def build_module(cfg: Config, draft: Any, teacher: Any | None, spec: LossSpec, v
     from distill.train.module import DistillModule, OptimConfig
 
     t = cfg.train
-    optim = OptimConfig(lr=t.lr, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
-                        weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), grad_clip=t.grad_clip)
-    hparams = {"config": {s: to_dict(getattr(cfg, s)) for s in ("run", "target", "draft", "data", "train")},
-               "stage_hash": rundir.stage_hash(cfg, "train")}
-    return DistillModule(draft, teacher, spec, optim, vocab=vocab, eval_temperature=t.eval_temperature,
-                         max_positions=t.val_max_positions, hparams=hparams,
-                         history_path=train_dir(cfg.run_dir) / "val_history.json")
+    optim = OptimConfig(
+        lr=t.lr,
+        min_lr_ratio=t.min_lr_ratio,
+        warmup_steps=min(t.warmup_steps, t.max_steps),
+        max_steps=t.max_steps,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        grad_clip=t.grad_clip,
+    )
+    hparams = {
+        "config": {s: to_dict(getattr(cfg, s)) for s in ("run", "target", "draft", "data", "train")},
+        "stage_hash": rundir.stage_hash(cfg, "train"),
+    }
+    return DistillModule(
+        draft,
+        teacher,
+        spec,
+        optim,
+        vocab=vocab,
+        eval_temperature=t.eval_temperature,
+        max_positions=t.val_max_positions,
+        hparams=hparams,
+        history_path=train_dir(cfg.run_dir) / "val_history.json",
+    )
 
 
 def build_datamodule(cfg: Config, pad_id: int) -> Any:
     from distill.train.data import DistillDataModule
 
     t = cfg.train
-    return DistillDataModule(cfg.run_dir, batch_size=t.batch_size, grad_accum=t.grad_accum,
-                             max_seq_len=t.max_seq_len, cached=t.teacher == "cached", pad_id=pad_id,
-                             seed=cfg.run.seed, num_workers=t.num_workers)
+    return DistillDataModule(
+        cfg.run_dir,
+        batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        max_seq_len=t.max_seq_len,
+        cached=t.teacher == "cached",
+        pad_id=pad_id,
+        seed=cfg.run.seed,
+        num_workers=t.num_workers,
+    )
 
 
 def build_trainer(cfg: Config, plan: Plan, stop: StopFlag) -> Any:
@@ -195,16 +235,32 @@ def build_trainer(cfg: Config, plan: Plan, stop: StopFlag) -> Any:
     t = cfg.train
     # One CSV folder per attempt (a resumed run must not overwrite the earlier attempt's rows); `_finish`
     # merges them into train/metrics.csv.
-    loggers = [CSVLogger(str(plan.train_dir), name="csv"),
-               TensorBoardLogger(str(plan.train_dir), name="tensorboard", version="")]
-    callbacks = [AtomicCheckpoint(plan.ckpt_path, every=t.ckpt_every, max_steps=t.max_steps, stop=stop),
-                 RichProgressBar(leave=True)]
+    loggers = [
+        CSVLogger(str(plan.train_dir), name="csv"),
+        TensorBoardLogger(str(plan.train_dir), name="tensorboard", version=""),
+    ]
+    callbacks = [
+        AtomicCheckpoint(plan.ckpt_path, every=t.ckpt_every, max_steps=t.max_steps, stop=stop),
+        RichProgressBar(leave=True),
+    ]
     return L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
-        precision="32-true" if t.precision == "32" else "bf16-mixed", max_steps=t.max_steps, max_epochs=-1,
-        val_check_interval=t.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        logger=loggers, callbacks=callbacks, enable_checkpointing=False, use_distributed_sampler=False,
-        deterministic=t.deterministic, log_every_n_steps=t.log_every, default_root_dir=str(plan.train_dir),
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=t.strategy,
+        precision="32-true" if t.precision == "32" else "bf16-mixed",
+        max_steps=t.max_steps,
+        max_epochs=-1,
+        val_check_interval=t.val_every,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=loggers,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        deterministic=t.deterministic,
+        log_every_n_steps=t.log_every,
+        default_root_dir=str(plan.train_dir),
         enable_model_summary=False,
     )
 
@@ -223,7 +279,9 @@ def _save_draft_init(cfg: Config, draft: Any, tokenizer: Any, target_dir: Path, 
     log.info("saved the undistilled draft to %s", out)
 
 
-def _baseline(cfg: Config, draft: Any, teacher: Any | None, plan: Plan, pad_id: int, vocab: int) -> dict[str, Any]:
+def _baseline(
+    cfg: Config, draft: Any, teacher: Any | None, plan: Plan, pad_id: int, vocab: int
+) -> dict[str, Any]:
     """Validation figures of the undistilled draft (computed once per run folder)."""
     from distill.train.data import load_rows, val_loader
     from distill.train.module import evaluate_draft
@@ -231,16 +289,28 @@ def _baseline(cfg: Config, draft: Any, teacher: Any | None, plan: Plan, pad_id: 
     path = plan.train_dir / "baseline.json"
     if plan.resume_from is not None and path.is_file():
         return read_json(path)  # type: ignore[no-any-return]
-    rows = load_rows(cfg.run_dir, "val", cached=cfg.train.teacher == "cached", max_seq_len=cfg.train.max_seq_len)
+    rows = load_rows(
+        cfg.run_dir, "val", cached=cfg.train.teacher == "cached", max_seq_len=cfg.train.max_seq_len
+    )
     t0 = time.perf_counter()
-    figures = evaluate_draft(draft, teacher, val_loader(rows, cfg.train.batch_size, pad_id), plan.spec,
-                             eval_temperature=cfg.train.eval_temperature, vocab=vocab,
-                             max_positions=cfg.train.val_max_positions)
+    figures = evaluate_draft(
+        draft,
+        teacher,
+        val_loader(rows, cfg.train.batch_size, pad_id),
+        plan.spec,
+        eval_temperature=cfg.train.eval_temperature,
+        vocab=vocab,
+        max_positions=cfg.train.val_max_positions,
+    )
     figures["step"] = 0
     figures["seconds"] = round(time.perf_counter() - t0, 3)
     atomic_write_json(path, figures)
-    log.info("undistilled draft: val/expected_acceptance %.4f, val/top1_agreement %.4f, val/loss %.4f",
-             figures["expected_acceptance"], figures["top1_agreement"], figures["loss"])
+    log.info(
+        "undistilled draft: val/expected_acceptance %.4f, val/top1_agreement %.4f, val/loss %.4f",
+        figures["expected_acceptance"],
+        figures["top1_agreement"],
+        figures["loss"],
+    )
     return figures
 
 
@@ -253,8 +323,12 @@ def _fit(trainer: Any, module: Any, dm: Any, plan: Plan, stop: StopFlag) -> None
     if main:
         signal.signal(signal.SIGTERM, stop.handler)
     try:
-        trainer.fit(module, datamodule=dm, ckpt_path=str(plan.resume_from) if plan.resume_from else None,
-                    weights_only=True)
+        trainer.fit(
+            module,
+            datamodule=dm,
+            ckpt_path=str(plan.resume_from) if plan.resume_from else None,
+            weights_only=True,
+        )
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
@@ -285,9 +359,14 @@ def run(cfg: Config) -> int | None:
         if plan.resume_from is None:  # a fresh start: earlier validations belong to another training
             for stale in ("val_history.json", "baseline.json", "val_metrics.json"):
                 (plan.train_dir / stale).unlink(missing_ok=True)
-        log.info("train: %d train rows, %d val rows, loss %s, teacher %s, %s",
-                 plan.train_rows, plan.val_rows, plan.spec.weights, cfg.train.teacher,
-                 f"resuming from {plan.resume_from}" if plan.resume_from else "from scratch")
+        log.info(
+            "train: %d train rows, %d val rows, loss %s, teacher %s, %s",
+            plan.train_rows,
+            plan.val_rows,
+            plan.spec.weights,
+            cfg.train.teacher,
+            f"resuming from {plan.resume_from}" if plan.resume_from else "from scratch",
+        )
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     tokenizer = load_tokenizer(plan.target_dir, trust_remote_code=cfg.target.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -327,7 +406,9 @@ def merge_csv_logs(tdir: Path) -> Path:
 
     from distill.utils.fs import atomic_write_text
 
-    versions = sorted((tdir / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
+    versions = sorted(
+        (tdir / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])
+    )
     rows: list[dict[str, str]] = []
     header: list[str] = []
     for path in versions:
@@ -347,8 +428,15 @@ def merge_csv_logs(tdir: Path) -> Path:
     return out
 
 
-def _finish(cfg: Config, plan: Plan, module: Any, steps: int, tokenizer: Any, baseline: dict[str, Any] | None,
-            seconds: float) -> None:
+def _finish(
+    cfg: Config,
+    plan: Plan,
+    module: Any,
+    steps: int,
+    tokenizer: Any,
+    baseline: dict[str, Any] | None,
+    seconds: float,
+) -> None:
     from distill.train.module import read_history
 
     out = _export(cfg, module, tokenizer, plan.target_dir)
@@ -364,8 +452,13 @@ def _finish(cfg: Config, plan: Plan, module: Any, steps: int, tokenizer: Any, ba
         "draft": str(out),
         "checkpoint": str(plan.ckpt_path),
     }
-    log.info("trained %d steps: val/expected_acceptance %.4f -> %.4f, val/top1_agreement %.4f -> %.4f; draft at %s",
-             summary["steps"], summary["baseline"]["expected_acceptance"] or float("nan"),
-             final.get("expected_acceptance", float("nan")), summary["baseline"]["top1_agreement"] or float("nan"),
-             final.get("top1_agreement", float("nan")), out)
+    log.info(
+        "trained %d steps: val/expected_acceptance %.4f -> %.4f, val/top1_agreement %.4f -> %.4f; draft at %s",
+        summary["steps"],
+        summary["baseline"]["expected_acceptance"] or float("nan"),
+        final.get("expected_acceptance", float("nan")),
+        summary["baseline"]["top1_agreement"] or float("nan"),
+        final.get("top1_agreement", float("nan")),
+        out,
+    )
     rundir.mark_complete(cfg, "train", summary)
