@@ -34,12 +34,21 @@ sys.path.insert(0, str(REPO))
 def _cfg(args: dict[str, Any], run_dir: Path, teacher: str) -> Any:
     from distill.config import load_config
 
-    return load_config(REPO / "configs/tiny.yaml", [
-        f"target.model={args['target']}", f"run.dir={run_dir}", f"draft.num_layers={args['draft_layers']}",
-        f"train.batch_size={args['batch_size']}", f"train.max_seq_len={args['seq_len']}",
-        f"train.teacher={teacher}", f"train.max_steps={args['steps'] + args['warmup']}", "train.warmup_steps=0",
-        f"train.lr={args['lr']}", f"train.precision={args['precision']}",
-    ])
+    return load_config(
+        REPO / "configs/tiny.yaml",
+        [
+            f"target.model={args['target']}",
+            f"run.dir={run_dir}",
+            f"draft.num_layers={args['draft_layers']}",
+            f"train.batch_size={args['batch_size']}",
+            f"train.max_seq_len={args['seq_len']}",
+            f"train.teacher={teacher}",
+            f"train.max_steps={args['steps'] + args['warmup']}",
+            "train.warmup_steps=0",
+            f"train.lr={args['lr']}",
+            f"train.precision={args['precision']}",
+        ],
+    )
 
 
 def _peak_memory() -> dict[str, float]:
@@ -98,7 +107,9 @@ def worker_plain(args: dict[str, Any]) -> dict[str, Any]:
                 with autocast:
                     s_logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
                     t = micro_teacher(teacher, mb, vocab)
-                    loss = per_token_loss(spec, s_logits, select_labels(mb.input_ids, mb.loss_mask), t).sum() / n
+                    loss = (
+                        per_token_loss(spec, s_logits, select_labels(mb.input_ids, mb.loss_mask), t).sum() / n
+                    )
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.train.grad_clip)
             opt.step()
@@ -134,21 +145,35 @@ def worker_lightning(args: dict[str, Any]) -> dict[str, Any]:
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self._t0 = time.perf_counter()
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self._t0)
             self.tokens.append(sum(int(mb.attention_mask.sum()) for mb in batch))
 
     timer = Timer()
-    trainer = L.Trainer(max_steps=args["steps"] + args["warmup"], max_epochs=-1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
-                        callbacks=[timer], precision="32-true" if args["precision"] == "32" else "bf16-mixed")
+    trainer = L.Trainer(
+        max_steps=args["steps"] + args["warmup"],
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+        precision="32-true" if args["precision"] == "32" else "bf16-mixed",
+    )
     trainer.fit(module, datamodule=dm)
     w = args["warmup"]
-    return {"tokens_per_s": sum(timer.tokens[w:]) / sum(timer.times[w:]), "steps": len(timer.times) - w,
-            **_peak_memory()}
+    return {
+        "tokens_per_s": sum(timer.tokens[w:]) / sum(timer.times[w:]),
+        "steps": len(timer.times) - w,
+        **_peak_memory(),
+    }
 
 
 def worker_acceptance(args: dict[str, Any]) -> dict[str, Any]:
@@ -163,16 +188,36 @@ def worker_acceptance(args: dict[str, Any]) -> dict[str, Any]:
 
     cfg, tok, draft, teacher, (dm, spec, target_dir) = _setup(args, args["teacher"])
     module = build_module(cfg, draft, teacher, spec, len(tok))
-    trainer = L.Trainer(max_steps=args["steps"], max_epochs=-1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        num_sanity_val_steps=0, use_distributed_sampler=False, accelerator="auto")
+    trainer = L.Trainer(
+        max_steps=args["steps"],
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        accelerator="auto",
+    )
     trainer.fit(module, datamodule=dm)
     full_teacher = load_causal_lm(target_dir)
     rows = load_rows(cfg.run_dir, "val", cached=False, max_seq_len=cfg.train.max_seq_len)
-    fig = evaluate_draft(module.draft.cpu(), full_teacher, val_loader(rows, cfg.train.batch_size, tok.eos_token_id),
-                         spec, eval_temperature=1.0, vocab=len(tok), max_positions=4)
-    return {"expected_acceptance": fig["expected_acceptance"], "top1_agreement": fig["top1_agreement"],
-            "val_loss_vs_full_teacher": fig["loss"], "steps": args["steps"]}
+    fig = evaluate_draft(
+        module.draft.cpu(),
+        full_teacher,
+        val_loader(rows, cfg.train.batch_size, tok.eos_token_id),
+        spec,
+        eval_temperature=1.0,
+        vocab=len(tok),
+        max_positions=4,
+    )
+    return {
+        "expected_acceptance": fig["expected_acceptance"],
+        "top1_agreement": fig["top1_agreement"],
+        "val_loss_vs_full_teacher": fig["loss"],
+        "steps": args["steps"],
+    }
 
 
 WORKERS = {"plain": worker_plain, "lightning": worker_lightning, "acceptance": worker_acceptance}
@@ -183,7 +228,12 @@ WORKERS = {"plain": worker_plain, "lightning": worker_lightning, "acceptance": w
 
 
 def _run_worker(kind: str, args: dict[str, Any], threads: int) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     cmd = [sys.executable, __file__, "--worker", kind, "--worker-args", json.dumps(args)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -191,7 +241,9 @@ def _run_worker(kind: str, args: dict[str, Any], threads: int) -> dict[str, Any]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _prepare_data(target: str, run_dir: Path, n_train: int, n_val: int, max_new: int, top_ks: list[int]) -> None:
+def _prepare_data(
+    target: str, run_dir: Path, n_train: int, n_val: int, max_new: int, top_ks: list[int]
+) -> None:
     """One dataset; a top-k cache per k (copied into per-k run folders by the caller)."""
     import shutil
 
@@ -199,8 +251,14 @@ def _prepare_data(target: str, run_dir: Path, n_train: int, n_val: int, max_new:
     from distill.train.synthetic import build_run_data
 
     target_dir = resolve_model(target, key="target.model")
-    build_run_data(run_dir, target_dir, n_train=n_train, n_val=n_val, max_new_tokens=max_new,
-                   top_k=max(top_ks) if top_ks else 0)
+    build_run_data(
+        run_dir,
+        target_dir,
+        n_train=n_train,
+        n_val=n_val,
+        max_new_tokens=max_new,
+        top_k=max(top_ks) if top_ks else 0,
+    )
     from distill.data.format import topk_dir
 
     for k in top_ks:
@@ -231,25 +289,36 @@ def _table(results: dict[str, Any]) -> str:
     if "lightning_over_plain" in results:
         lines.append(f"\nLightning / plain tokens/s (online): {results['lightning_over_plain']:.3f}")
     if results.get("acceptance"):
-        lines += ["", "| training | val expected acceptance (T=1, vs full teacher) | top-1 | steps |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            "| training | val expected acceptance (T=1, vs full teacher) | top-1 | steps |",
+            "|---|---|---|---|",
+        ]
         for name, r in results["acceptance"].items():
-            lines.append(f"| {name} | {r['expected_acceptance']:.4f} | {r['top1_agreement']:.4f} | {r['steps']} |")
+            lines.append(
+                f"| {name} | {r['expected_acceptance']:.4f} | {r['top1_agreement']:.4f} | {r['steps']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=None, help="target model reference (default: a tiny Llama built in code)")
+    p.add_argument(
+        "--target", default=None, help="target model reference (default: a tiny Llama built in code)"
+    )
     p.add_argument("--draft-layers", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20, help="timed steps (speed) / training steps (acceptance)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--repeats", type=int, default=2, help="speed runs per configuration (best kept, all listed)")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="speed runs per configuration (best kept, all listed)"
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
-    p.add_argument("--top-k", default="16,64", help="comma-separated cache sizes for the acceptance comparison")
+    p.add_argument(
+        "--top-k", default="16,64", help="comma-separated cache sizes for the acceptance comparison"
+    )
     p.add_argument("--n-train", type=int, default=96)
     p.add_argument("--n-val", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -270,33 +339,61 @@ def main() -> None:
         from distill.models.tiny import save_tiny_model
 
         target = str(save_tiny_model(tmp / "tiny_target", seed=0))
-    base = {"target": target, "draft_layers": a.draft_layers, "batch_size": a.batch_size, "seq_len": a.seq_len,
-            "steps": a.steps, "warmup": a.warmup, "lr": a.lr, "precision": a.precision}
+    base = {
+        "target": target,
+        "draft_layers": a.draft_layers,
+        "batch_size": a.batch_size,
+        "seq_len": a.seq_len,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "lr": a.lr,
+        "precision": a.precision,
+    }
     t0 = time.time()
     _prepare_data(target, tmp / "full", a.n_train, a.n_val, a.max_new_tokens, top_ks)
-    results: dict[str, Any] = {"config": {**base, "top_k": top_ks, "threads": a.threads,
-                                          "n_train": a.n_train, "max_new_tokens": a.max_new_tokens},
-                               "data_seconds": round(time.time() - t0, 1), "speed": {}, "acceptance": {}}
+    results: dict[str, Any] = {
+        "config": {
+            **base,
+            "top_k": top_ks,
+            "threads": a.threads,
+            "n_train": a.n_train,
+            "max_new_tokens": a.max_new_tokens,
+        },
+        "data_seconds": round(time.time() - t0, 1),
+        "speed": {},
+        "acceptance": {},
+    }
     if a.only in (None, "speed"):
         k_cached = max(top_ks) if top_ks else None
-        plan = [("plain_online", "plain", "online", tmp / "full"), ("lightning_online", "lightning", "online",
-                                                                      tmp / "full")]
+        plan = [
+            ("plain_online", "plain", "online", tmp / "full"),
+            ("lightning_online", "lightning", "online", tmp / "full"),
+        ]
         if k_cached:
-            plan += [(f"plain_cached_k{k_cached}", "plain", "cached", tmp / f"k{k_cached}"),
-                     (f"lightning_cached_k{k_cached}", "lightning", "cached", tmp / f"k{k_cached}")]
+            plan += [
+                (f"plain_cached_k{k_cached}", "plain", "cached", tmp / f"k{k_cached}"),
+                (f"lightning_cached_k{k_cached}", "lightning", "cached", tmp / f"k{k_cached}"),
+            ]
         for name, kind, teacher, run_dir in plan:
-            runs = [_run_worker(kind, {**base, "teacher": teacher, "run_dir": str(run_dir)}, a.threads)
-                    for _ in range(a.repeats)]
+            runs = [
+                _run_worker(kind, {**base, "teacher": teacher, "run_dir": str(run_dir)}, a.threads)
+                for _ in range(a.repeats)
+            ]
             best = max(runs, key=lambda r: r["tokens_per_s"])
             results["speed"][name] = {**best, "all_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs]}
             print(name, results["speed"][name], flush=True)
-        results["lightning_over_plain"] = (results["speed"]["lightning_online"]["tokens_per_s"]
-                                           / results["speed"]["plain_online"]["tokens_per_s"])
+        results["lightning_over_plain"] = (
+            results["speed"]["lightning_online"]["tokens_per_s"]
+            / results["speed"]["plain_online"]["tokens_per_s"]
+        )
     if a.only in (None, "acceptance"):
-        acc_plan = [("full_logits", "online", tmp / "full")] + [(f"top{k}", "cached", tmp / f"k{k}") for k in top_ks]
+        acc_plan = [("full_logits", "online", tmp / "full")] + [
+            (f"top{k}", "cached", tmp / f"k{k}") for k in top_ks
+        ]
         for name, teacher, run_dir in acc_plan:
-            results["acceptance"][name] = _run_worker("acceptance", {**base, "teacher": teacher,
-                                                                     "run_dir": str(run_dir)}, a.threads)
+            results["acceptance"][name] = _run_worker(
+                "acceptance", {**base, "teacher": teacher, "run_dir": str(run_dir)}, a.threads
+            )
             print(name, results["acceptance"][name], flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

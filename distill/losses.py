@@ -80,7 +80,9 @@ def select_labels(input_ids: Tensor, loss_mask: Tensor) -> Tensor:
 # Aligned distributions
 
 
-def dense_pair(teacher_logits: Tensor, student_logits: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def dense_pair(
+    teacher_logits: Tensor, student_logits: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """[N, V] logits each -> (teacher_logp, student_logp) float32 [N, V]."""
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)
@@ -165,8 +167,9 @@ class LossSpec:
         return any(w for n, w in self.weights.items() if n != "ce")
 
 
-def per_token_loss(spec: LossSpec, student_logits: Tensor, labels: Tensor,
-                   teacher: Tensor | SparseTeacher | None) -> Tensor:
+def per_token_loss(
+    spec: LossSpec, student_logits: Tensor, labels: Tensor, teacher: Tensor | SparseTeacher | None
+) -> Tensor:
     """Weighted sum of the loss terms per counted token.
 
     student_logits [N, V]; labels int64 [N]; teacher: dense logits [N, V], a `SparseTeacher` of N rows
@@ -197,7 +200,9 @@ def per_token_loss(spec: LossSpec, student_logits: Tensor, labels: Tensor,
     return total
 
 
-def _pair(spec: LossSpec, student_logits: Tensor, teacher: Tensor | SparseTeacher | None) -> tuple[Tensor, Tensor]:
+def _pair(
+    spec: LossSpec, student_logits: Tensor, teacher: Tensor | SparseTeacher | None
+) -> tuple[Tensor, Tensor]:
     if teacher is None:
         raise ValueError("a teacher is needed for the KL/JSD/TVD terms")
     if isinstance(teacher, SparseTeacher):
@@ -207,8 +212,13 @@ def _pair(spec: LossSpec, student_logits: Tensor, teacher: Tensor | SparseTeache
     return dense_pair(teacher, student_logits, spec.temperature)
 
 
-def distill_loss(spec: LossSpec, student_logits: Tensor, labels: Tensor, teacher: Tensor | SparseTeacher | None,
-                 num_tokens: float | Tensor) -> Tensor:
+def distill_loss(
+    spec: LossSpec,
+    student_logits: Tensor,
+    labels: Tensor,
+    teacher: Tensor | SparseTeacher | None,
+    num_tokens: float | Tensor,
+) -> Tensor:
     """Scalar: sum of `per_token_loss` divided by `num_tokens` (the global count for the optimizer step)."""
     return per_token_loss(spec, student_logits, labels, teacher).sum() / num_tokens
 
@@ -217,8 +227,9 @@ def distill_loss(spec: LossSpec, student_logits: Tensor, labels: Tensor, teacher
 # Evaluation figures
 
 
-def eval_token_stats(student_logits: Tensor, teacher: Tensor | SparseTeacher,
-                     temperature: float) -> tuple[Tensor, Tensor]:
+def eval_token_stats(
+    student_logits: Tensor, teacher: Tensor | SparseTeacher, temperature: float
+) -> tuple[Tensor, Tensor]:
     """Per counted token: (expected acceptance sum min(p, q) at `temperature`, top-1 agreement as 0/1).
 
     temperature 0 means greedy drafting: acceptance equals argmax agreement. Returns two float32 [N].

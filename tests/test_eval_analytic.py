@@ -17,14 +17,18 @@ def test_speedup_formula_limits():
         assert A.expected_speedup(0.0, k, 0.25) == pytest.approx(1 / (1 + k * 0.25))
         # α → 1: every draft accepted, k + 1 tokens per round; the closed form is continuous there.
         assert A.expected_speedup(1.0, k, 0.1) == pytest.approx((k + 1) / (1 + k * 0.1))
-        assert A.expected_speedup(1 - 1e-7, k, 0.1) == pytest.approx(A.expected_speedup(1.0, k, 0.1), rel=1e-5)
+        assert A.expected_speedup(1 - 1e-7, k, 0.1) == pytest.approx(
+            A.expected_speedup(1.0, k, 0.1), rel=1e-5
+        )
     assert A.expected_speedup(0.8, 4, 0.0) == pytest.approx((1 - 0.8**5) / 0.2)
 
 
 def test_acceptance_length_is_a_geometric_sum():
     for alpha in (0.0, 0.5, 0.95):
         for k in (0, 1, 3, 6):
-            assert A.expected_acceptance_length(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)))
+            assert A.expected_acceptance_length(alpha, k) == pytest.approx(
+                sum(alpha**i for i in range(k + 1))
+            )
     assert A.expected_acceptance_length(1.0, 5) == 6.0
     assert A.expected_per_position_acceptance(0.5, 3) == pytest.approx([0.5, 0.25, 0.125])
 
@@ -106,8 +110,9 @@ def test_estimate_acceptance(models, tiny_tokenizer):
     poor = A.estimate_acceptance(target, draft, prompts, max_tokens=12, temperature=1.0)
     assert 0.0 < poor["alpha"] < 0.9
     # Greedy drafting: q is the one-hot of the draft argmax, so α = E[p(argmax q)].
-    greedy = A.estimate_acceptance(target, draft, prompts, max_tokens=12, temperature=1.0,
-                                   draft_sample_method="greedy")
+    greedy = A.estimate_acceptance(
+        target, draft, prompts, max_tokens=12, temperature=1.0, draft_sample_method="greedy"
+    )
     assert 0.0 <= greedy["alpha"] < 1.0
     # At T = 0 both are one-hot: α is exactly the top-1 agreement.
     t0 = A.estimate_acceptance(target, draft, prompts, max_tokens=12, temperature=0.0)
@@ -132,8 +137,9 @@ def test_estimate_matches_measured_acceptance_at_k1(models, tiny_tokenizer):
     est = A.estimate_acceptance(target, draft, prompts, max_tokens=40, temperature=0.0)
     accepted = proposed = 0
     for prompt in prompts:
-        gen = R.speculative_generate(target, draft, prompt, max_tokens=40, eos_token_id=None, k=1,
-                                     sampling=R.Sampling())
+        gen = R.speculative_generate(
+            target, draft, prompt, max_tokens=40, eos_token_id=None, k=1, sampling=R.Sampling()
+        )
         accepted += gen.stats.num_accepted_tokens
         proposed += gen.stats.num_draft_tokens
     assert 0.2 < est["alpha"] < 0.95

@@ -81,8 +81,17 @@ def _chisquare_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 def _sample(models, prompt, *, num_tokens, sampling, method, seed=0, k=3) -> np.ndarray:
     target, draft = models
     g = torch.Generator().manual_seed(seed)
-    out = R.sample_speculative_batch(target, draft, prompt, num_samples=NUM_SAMPLES, num_tokens=num_tokens, k=k,
-                                     sampling=sampling, draft_sample_method=method, generator=g)
+    out = R.sample_speculative_batch(
+        target,
+        draft,
+        prompt,
+        num_samples=NUM_SAMPLES,
+        num_tokens=num_tokens,
+        k=k,
+        sampling=sampling,
+        draft_sample_method=method,
+        generator=g,
+    )
     assert int((out < 0).sum()) == 0
     return out.numpy()
 
@@ -135,8 +144,10 @@ BROKEN_RULES = {
 }
 
 
-@pytest.mark.parametrize(("rule", "method"), [("accept_always", "greedy"), ("accept_always", "probabilistic"),
-                                              ("sqrt_ratio", "probabilistic")])
+@pytest.mark.parametrize(
+    ("rule", "method"),
+    [("accept_always", "greedy"), ("accept_always", "probabilistic"), ("sqrt_ratio", "probabilistic")],
+)
 def test_broken_acceptance_rule_fails_the_same_test(models, prompts, monkeypatch, rule, method):
     monkeypatch.setattr(R, "acceptance_probability", BROKEN_RULES[rule])
     sampling = R.Sampling(temperature=1.0)
@@ -169,11 +180,13 @@ def test_greedy_speculative_equals_target_greedy(models, prompts, k):
     for prompt in prompts:
         ref = R.target_generate(target, prompt, max_tokens=24, eos_token_id=2, sampling=R.Sampling())
         for d in (draft, target):
-            gen = R.speculative_generate(target, d, prompt, max_tokens=24, eos_token_id=2, k=k,
-                                         sampling=R.Sampling())
+            gen = R.speculative_generate(
+                target, d, prompt, max_tokens=24, eos_token_id=2, k=k, sampling=R.Sampling()
+            )
             assert gen.token_ids == ref
-        gen = R.speculative_generate(target, None, prompt, max_tokens=24, eos_token_id=2, k=k,
-                                     sampling=R.Sampling(), method="ngram")
+        gen = R.speculative_generate(
+            target, None, prompt, max_tokens=24, eos_token_id=2, k=k, sampling=R.Sampling(), method="ngram"
+        )
         assert gen.token_ids == ref
 
 
@@ -181,9 +194,17 @@ def test_greedy_drafting_is_exact_at_temperature_above_zero(models, prompts):
     """Greedy drafts at T>0: q is the one-hot of the proposal, so a seeded run equals itself and the counters
     stay consistent; the distribution itself is covered by the chi-square tests."""
     target, draft = models
-    gen = R.speculative_generate(target, draft, prompts[0], max_tokens=30, eos_token_id=2, k=3,
-                                 sampling=R.Sampling(1.0), draft_sample_method="greedy",
-                                 generator=torch.Generator().manual_seed(0))
+    gen = R.speculative_generate(
+        target,
+        draft,
+        prompts[0],
+        max_tokens=30,
+        eos_token_id=2,
+        k=3,
+        sampling=R.Sampling(1.0),
+        draft_sample_method="greedy",
+        generator=torch.Generator().manual_seed(0),
+    )
     s = gen.stats
     assert 0 < len(gen.token_ids) <= 30
     assert s.num_accepted_tokens == sum(s.accepted_per_pos) <= s.num_draft_tokens == 3 * s.num_drafts
@@ -192,12 +213,21 @@ def test_greedy_drafting_is_exact_at_temperature_above_zero(models, prompts):
 
 def test_identical_draft_accepts_everything(models, prompts):
     target = models[0]
-    greedy = R.speculative_generate(target, target, prompts[0], max_tokens=30, eos_token_id=None, k=4,
-                                    sampling=R.Sampling())
+    greedy = R.speculative_generate(
+        target, target, prompts[0], max_tokens=30, eos_token_id=None, k=4, sampling=R.Sampling()
+    )
     assert greedy.stats.num_accepted_tokens == greedy.stats.num_draft_tokens > 0
-    sampled = R.speculative_generate(target, target, prompts[0], max_tokens=60, eos_token_id=None, k=4,
-                                     sampling=R.Sampling(1.0), draft_sample_method="probabilistic",
-                                     generator=torch.Generator().manual_seed(1))
+    sampled = R.speculative_generate(
+        target,
+        target,
+        prompts[0],
+        max_tokens=60,
+        eos_token_id=None,
+        k=4,
+        sampling=R.Sampling(1.0),
+        draft_sample_method="probabilistic",
+        generator=torch.Generator().manual_seed(1),
+    )
     assert sampled.stats.num_accepted_tokens / sampled.stats.num_draft_tokens > 0.97
 
 
@@ -206,11 +236,13 @@ def test_stops_at_eos_and_max_tokens(models, prompts):
     ref = R.target_generate(target, prompts[0], max_tokens=20, eos_token_id=None, sampling=R.Sampling())
     eos = ref[5]  # pretend the 6th greedy token is EOS: generation must stop right there, EOS included
     for k in (1, 4):
-        gen = R.speculative_generate(target, target, prompts[0], max_tokens=20, eos_token_id=eos, k=k,
-                                     sampling=R.Sampling())
-        assert gen.token_ids == ref[:ref.index(eos) + 1]
-        gen = R.speculative_generate(target, target, prompts[0], max_tokens=7, eos_token_id=None, k=k,
-                                     sampling=R.Sampling())
+        gen = R.speculative_generate(
+            target, target, prompts[0], max_tokens=20, eos_token_id=eos, k=k, sampling=R.Sampling()
+        )
+        assert gen.token_ids == ref[: ref.index(eos) + 1]
+        gen = R.speculative_generate(
+            target, target, prompts[0], max_tokens=7, eos_token_id=None, k=k, sampling=R.Sampling()
+        )
         assert gen.token_ids == ref[:7]
 
 
@@ -249,24 +281,74 @@ def test_ngram_proposal():
 
 # ---- the job entry point ---------------------------------------------------------------------------------
 
-RESULT_KEYS = {"name", "method", "draft", "k", "temperature", "draft_sample_method", "startup_s", "wall_s",
-               "output_tokens", "output_tokens_per_pass", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
-               "texts", "token_ids", "error"}
+RESULT_KEYS = {
+    "name",
+    "method",
+    "draft",
+    "k",
+    "temperature",
+    "draft_sample_method",
+    "startup_s",
+    "wall_s",
+    "output_tokens",
+    "output_tokens_per_pass",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "accepted_per_pos",
+    "texts",
+    "token_ids",
+    "error",
+}
 
 
 def _job(target, draft, prompts, **extra):
     configs = [
-        {"name": "no_spec", "method": None, "draft": None, "k": 0, "temperature": 0.0,
-         "draft_sample_method": None},
-        {"name": "base", "method": "draft_model", "draft": str(draft), "k": 3, "temperature": 0.0,
-         "draft_sample_method": "greedy"},
-        {"name": "ngram", "method": "ngram", "draft": None, "k": 2, "temperature": 0.0,
-         "draft_sample_method": None},
-        {"name": "self", "method": "draft_model", "draft": str(target), "k": 2, "temperature": 1.0,
-         "draft_sample_method": "probabilistic"},
+        {
+            "name": "no_spec",
+            "method": None,
+            "draft": None,
+            "k": 0,
+            "temperature": 0.0,
+            "draft_sample_method": None,
+        },
+        {
+            "name": "base",
+            "method": "draft_model",
+            "draft": str(draft),
+            "k": 3,
+            "temperature": 0.0,
+            "draft_sample_method": "greedy",
+        },
+        {
+            "name": "ngram",
+            "method": "ngram",
+            "draft": None,
+            "k": 2,
+            "temperature": 0.0,
+            "draft_sample_method": None,
+        },
+        {
+            "name": "self",
+            "method": "draft_model",
+            "draft": str(target),
+            "k": 2,
+            "temperature": 1.0,
+            "draft_sample_method": "probabilistic",
+        },
     ]
-    return {"target": str(target), "dtype": "float32", "prompts": prompts, "max_tokens": 16, "eos_token_id": [2],
-            "configs": configs, "repeats": 2, "seed": 0, "stage_extra_key": 1, **extra}
+    return {
+        "target": str(target),
+        "dtype": "float32",
+        "prompts": prompts,
+        "max_tokens": 16,
+        "eos_token_id": [2],
+        "configs": configs,
+        "repeats": 2,
+        "seed": 0,
+        "stage_extra_key": 1,
+        **extra,
+    }
 
 
 def test_run_reference_job(tiny_target_dir, tiny_draft_dir, prompts, tmp_path):
@@ -292,7 +374,9 @@ def test_run_reference_job(tiny_target_dir, tiny_draft_dir, prompts, tmp_path):
     assert saved["complete"] is False and [r["name"] for r in saved["results"]] == list(by_name)
 
 
-def test_a_failing_configuration_is_marked_and_the_others_run(tiny_target_dir, tiny_draft_dir, prompts, tmp_path):
+def test_a_failing_configuration_is_marked_and_the_others_run(
+    tiny_target_dir, tiny_draft_dir, prompts, tmp_path
+):
     broken = tmp_path / "broken_draft"
     broken.mkdir()  # a folder, so the job validates, but no weights in it
     job = _job(tiny_target_dir, tiny_draft_dir, prompts[:1], repeats=1)

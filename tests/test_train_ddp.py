@@ -45,18 +45,37 @@ def one_process(tiny_config_overrides, data_template, tmp_path):  # noqa: F811
 def test_ddp_spawn_two_processes_match_one(one_process, tiny_config_overrides, data_template, tmp_path):  # noqa: F811
     from distill.train.stage import run
 
-    two = make_cfg(tiny_config_overrides, data_template, *COMMON, f"run.dir={tmp_path / 'two'}",
-                   "train.devices=2", "train.strategy=ddp_spawn", "train.batch_size=4")
+    two = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        *COMMON,
+        f"run.dir={tmp_path / 'two'}",
+        "train.devices=2",
+        "train.strategy=ddp_spawn",
+        "train.batch_size=4",
+    )
     run(two)
     _assert_same_training(one_process, two)
 
 
 @pytest.mark.slow
 def test_cli_ddp_two_processes_match_one(one_process, tiny_config_overrides, data_template, tmp_path):  # noqa: F811
-    extra = [*COMMON, "train.devices=2", "train.strategy=ddp", "train.batch_size=4", f"run.dir={tmp_path / 'ddp'}"]
+    extra = [
+        *COMMON,
+        "train.devices=2",
+        "train.strategy=ddp",
+        "train.batch_size=4",
+        f"run.dir={tmp_path / 'ddp'}",
+    ]
     two = make_cfg(tiny_config_overrides, data_template, *extra)
-    done = subprocess.run(_cli([*tiny_config_overrides, *FAST, *extra]), cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        _cli([*tiny_config_overrides, *FAST, *extra]),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_same_training(one_process, two)
 
@@ -65,18 +84,31 @@ def test_fsdp_needs_gpu_or_runs(tiny_config_overrides, data_template, tmp_path):
     from distill.errors import InputError
     from distill.train.stage import run
 
-    extra = ["train.max_steps=2", "train.val_every=2", "train.ckpt_every=2", "train.strategy=fsdp",
-             f"run.dir={tmp_path / 'fsdp'}"]
+    extra = [
+        "train.max_steps=2",
+        "train.val_every=2",
+        "train.ckpt_every=2",
+        "train.strategy=fsdp",
+        f"run.dir={tmp_path / 'fsdp'}",
+    ]
     cfg = make_cfg(tiny_config_overrides, data_template, *extra)
     if not torch.cuda.is_available():
         # Lightning's FSDPStrategy refuses accelerator='cpu'; the stage says so before writing anything.
         with pytest.raises(InputError, match="FSDP strategy runs on GPUs only"):
             run(cfg)
         assert not (cfg.run_dir / "config.yaml").exists()
-        pytest.skip("FSDP smoke run needs a CUDA GPU (Lightning's FSDPStrategy refuses CPU); the refusal is checked")
+        pytest.skip(
+            "FSDP smoke run needs a CUDA GPU (Lightning's FSDPStrategy refuses CPU); the refusal is checked"
+        )
     # fsdp uses Lightning's subprocess launcher (re-executes the command): run it through the CLI.
-    done = subprocess.run(_cli([*tiny_config_overrides, *FAST, *extra]), cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        _cli([*tiny_config_overrides, *FAST, *extra]),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (cfg.run_dir / "draft" / "model.safetensors").is_file()
 
@@ -87,8 +119,16 @@ def test_cli_ddp_sigterm_saves_exits_130_and_resumes(tiny_config_overrides, data
 
     from test_train_stage import _start_and_signal
 
-    extra = ["train.max_steps=30", "train.val_every=30", "train.ckpt_every=3", "train.accelerator=cpu",
-             "train.devices=2", "train.strategy=ddp", "train.batch_size=4", f"run.dir={tmp_path / 'ddp_term'}"]
+    extra = [
+        "train.max_steps=30",
+        "train.val_every=30",
+        "train.ckpt_every=3",
+        "train.accelerator=cpu",
+        "train.devices=2",
+        "train.strategy=ddp",
+        "train.batch_size=4",
+        f"run.dir={tmp_path / 'ddp_term'}",
+    ]
     cfg = make_cfg(tiny_config_overrides, data_template, *extra)
     args = _cli([*tiny_config_overrides, *FAST, *extra])
     ckpt = cfg.run_dir / "train" / "last.ckpt"

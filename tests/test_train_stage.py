@@ -76,7 +76,9 @@ def test_smoke_acceptance_rises_and_export_loads(tiny_config_overrides, data_tem
     history = json.loads((td / "val_history.json").read_text())
     assert [h["step"] for h in history] == [10, 20, 30]
     header = (td / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"val/expected_acceptance", "val/top1_agreement", "train/loss", "train/tokens_per_s"} <= set(header)
+    assert {"val/expected_acceptance", "val/top1_agreement", "train/loss", "train/tokens_per_s"} <= set(
+        header
+    )
     assert list((td / "tensorboard").rglob("events.out.tfevents.*"))
     assert (rd / "draft_init" / "model.safetensors").is_file()
 
@@ -118,15 +120,26 @@ def test_grad_accum_matches_one_big_batch(tiny_config_overrides, data_template, 
     from distill.train.stage import run
 
     a = make_cfg(tiny_config_overrides, data_template, "train.max_steps=4", f"run.dir={tmp_path / 'a'}")
-    b = make_cfg(tiny_config_overrides, data_template, "train.max_steps=4", f"run.dir={tmp_path / 'b'}",
-                 "train.batch_size=4", "train.grad_accum=2")
+    b = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        "train.max_steps=4",
+        f"run.dir={tmp_path / 'b'}",
+        "train.batch_size=4",
+        "train.grad_accum=2",
+    )
     run(a)
     run(b)
     d_ab = max_weight_diff(a.run_dir / "draft", b.run_dir / "draft")
     # ... while a different loss really changes the result (the comparison can fail). Adam turns float
     # summation-order noise in near-zero gradients into ~1e-5 weight noise after a few steps at lr 1e-3.
-    c = make_cfg(tiny_config_overrides, data_template, "train.max_steps=4", f"run.dir={tmp_path / 'c'}",
-                 "train.loss=rkl")
+    c = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        "train.max_steps=4",
+        f"run.dir={tmp_path / 'c'}",
+        "train.loss=rkl",
+    )
     run(c)
     d_ac = max_weight_diff(a.run_dir / "draft", c.run_dir / "draft")
     assert d_ab < 1e-4 and d_ac > 20 * d_ab, (d_ab, d_ac)
@@ -135,8 +148,15 @@ def test_grad_accum_matches_one_big_batch(tiny_config_overrides, data_template, 
 def test_loss_mix_and_jsd_run(tiny_config_overrides, data_template):
     from distill.train.stage import run
 
-    cfg = make_cfg(tiny_config_overrides, data_template, "train.max_steps=3", "train.loss=mix",
-                   "train.loss_weights.jsd=1.0", "train.loss_weights.ce=0.5", "train.jsd_beta=0.3")
+    cfg = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        "train.max_steps=3",
+        "train.loss=mix",
+        "train.loss_weights.jsd=1.0",
+        "train.loss_weights.ce=0.5",
+        "train.jsd_beta=0.3",
+    )
     run(cfg)
     assert (cfg.run_dir / "draft" / "model.safetensors").is_file()
 
@@ -175,8 +195,10 @@ def test_config_problems_listed():
     from distill.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        load_config(REPO / "configs/tiny.yaml", ["train.teacher=cached", "train.kd_temperature=2.0",
-                                                 "train.loss=mix", "train.precision=16"])
+        load_config(
+            REPO / "configs/tiny.yaml",
+            ["train.teacher=cached", "train.kd_temperature=2.0", "train.loss=mix", "train.precision=16"],
+        )
     text = str(e.value)
     assert "train.kd_temperature" in text and "train.loss_weights" in text and "train.precision" in text
     # warm-up longer than a short run is capped at max_steps, not an error
@@ -191,8 +213,9 @@ def test_resume_refuses_checkpoint_of_other_config(tiny_config_overrides, data_t
     other = make_cfg(tiny_config_overrides, data_template, "train.max_steps=2", "train.lr=0.5")
     with pytest.raises(InputError, match="different config"):
         run(other)
-    again = make_cfg(tiny_config_overrides, data_template, "train.max_steps=2", "train.lr=0.5",
-                     "train.resume=never")
+    again = make_cfg(
+        tiny_config_overrides, data_template, "train.max_steps=2", "train.lr=0.5", "train.resume=never"
+    )
     run(again)
 
 
@@ -248,8 +271,14 @@ def test_resume_after_kill9_and_sigterm_match_uninterrupted(tiny_config_override
 def test_bf16_mixed_with_bf16_teacher_runs(tiny_config_overrides, data_template):
     from distill.train.stage import run
 
-    cfg = make_cfg(tiny_config_overrides, data_template, "train.max_steps=3", "train.val_every=3",
-                   "train.precision=bf16-mixed", "train.teacher_dtype=bfloat16")
+    cfg = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        "train.max_steps=3",
+        "train.val_every=3",
+        "train.precision=bf16-mixed",
+        "train.teacher_dtype=bfloat16",
+    )
     run(cfg)
     final = json.loads((cfg.run_dir / "train" / "val_metrics.json").read_text())["final"]
     assert final["step"] == 3 and 0.0 < final["expected_acceptance"] < 1.0
@@ -260,8 +289,9 @@ def test_bf16_mixed_with_bf16_teacher_runs(tiny_config_overrides, data_template)
 def test_rerun_of_finished_run_is_a_noop_resume(tiny_config_overrides, data_template):
     from distill.train.stage import run
 
-    cfg = make_cfg(tiny_config_overrides, data_template, "train.max_steps=4", "train.val_every=4",
-                   "train.ckpt_every=2")
+    cfg = make_cfg(
+        tiny_config_overrides, data_template, "train.max_steps=4", "train.val_every=4", "train.ckpt_every=2"
+    )
     run(cfg)
     before = draft_state(cfg.run_dir / "draft")
     run(cfg)  # resumes from last.ckpt at max_steps: no further step, same export

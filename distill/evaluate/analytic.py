@@ -105,7 +105,7 @@ def measure_decode_step_s(
         crop_cache(cache, context_len)
         t0 = time.perf_counter()
         for i in range(steps):
-            forward_new(model, cache, step_ids[i:i + 1].unsqueeze(0), 1)
+            forward_new(model, cache, step_ids[i : i + 1].unsqueeze(0), 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if r > 0:  # the first pass is a warm-up
@@ -114,7 +114,13 @@ def measure_decode_step_s(
 
 
 def measure_cost_ratio(
-    target: Any, draft: Any, *, dtype: str = "float32", context_len: int = 64, steps: int = 16, repeats: int = 5
+    target: Any,
+    draft: Any,
+    *,
+    dtype: str = "float32",
+    context_len: int = 64,
+    steps: int = 16,
+    repeats: int = 5,
 ) -> float:
     """c = draft decode step time / target decode step time (KV-cached, batch 1, medians of repeats).
 
@@ -142,8 +148,8 @@ def continuation_distributions(
     device = next(target.parameters()).device
     ids = torch.tensor([list(prompt_ids) + list(continuation)], device=device)
     n = len(continuation)
-    p = warp(target(input_ids=ids).logits[0, -n - 1:-1], sampling)
-    draft_logits = draft(input_ids=ids).logits[0, -n - 1:-1]
+    p = warp(target(input_ids=ids).logits[0, -n - 1 : -1], sampling)
+    draft_logits = draft(input_ids=ids).logits[0, -n - 1 : -1]
     q_sampling = Sampling(0.0) if draft_sample_method == "greedy" else sampling
     return p, warp(draft_logits, q_sampling)
 
@@ -169,8 +175,9 @@ def estimate_acceptance(
     sampling = Sampling(temperature, top_p)
     ps, qs, per_pos = [], [], []
     for prompt in prompts:
-        cont = target_generate(target, prompt, max_tokens=max_tokens, eos_token_id=eos_token_id,
-                               sampling=Sampling(0.0))
+        cont = target_generate(
+            target, prompt, max_tokens=max_tokens, eos_token_id=eos_token_id, sampling=Sampling(0.0)
+        )
         p, q = continuation_distributions(target, draft, prompt, cont, sampling, draft_sample_method)
         ps.append(p)
         qs.append(q)
@@ -194,4 +201,3 @@ def _ragged_mean(rows: list[torch.Tensor]) -> list[float]:
         vals = [float(r[j]) for r in rows if len(r) > j]
         out.append(sum(vals) / len(vals))
     return out
-

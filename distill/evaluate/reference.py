@@ -77,7 +77,9 @@ class SpecStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)]
+        self.accepted_per_pos = [
+            a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)
+        ]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def speculative_round(
         draft_ids [B, k], num_accepted [B], next_token [B]. The caches then hold L + k (target) and
         L + k - 1 (draft) positions: the caller crops them to the tokens that survived.
     """
-    feed = tokens[:, cache_len(draft_cache):]
+    feed = tokens[:, cache_len(draft_cache) :]
     ids_list, q_list = [], []
     for _ in range(k):
         logits = forward_new(draft, draft_cache, feed, 1)[:, -1]
@@ -224,7 +226,7 @@ def speculative_round(
         q_list.append(q)
         feed = ids.unsqueeze(-1)
     draft_ids = torch.stack(ids_list, dim=1)
-    target_feed = torch.cat([tokens[:, cache_len(target_cache):], draft_ids], dim=1)
+    target_feed = torch.cat([tokens[:, cache_len(target_cache) :], draft_ids], dim=1)
     p = warp(forward_new(target, target_cache, target_feed, k + 1), sampling)
     num_accepted, next_token = verify(draft_ids, torch.stack(q_list, dim=1), p, generator)
     return draft_ids, num_accepted, next_token
@@ -239,8 +241,8 @@ def ngram_proposal(tokens: Sequence[int], k: int, ngram_min: int = 1, ngram_max:
     for n in range(min(ngram_max, len(seq) - 1), ngram_min - 1, -1):
         suffix = seq[-n:]
         for start in range(len(seq) - n - 1, -1, -1):
-            if seq[start:start + n] == suffix:
-                return seq[start + n:start + n + k]
+            if seq[start : start + n] == suffix:
+                return seq[start + n : start + n + k]
     return []
 
 
@@ -289,7 +291,7 @@ def target_generate(
     out: list[int] = []
     cache = new_cache(target)
     while True:
-        feed = torch.tensor([tokens[cache_len(cache):]], device=device)
+        feed = torch.tensor([tokens[cache_len(cache) :]], device=device)
         probs = warp(forward_new(target, cache, feed, 1)[:, -1], sampling)
         t = int(probs.argmax(-1)) if sampling.greedy else int(sample(probs, generator))
         tokens.append(t)
@@ -298,13 +300,20 @@ def target_generate(
 
 
 def _ngram_round(
-    target: Any, tokens: list[int], target_cache: Any, *, k: int, sampling: Sampling,
-    generator: torch.Generator | None, ngram_min: int, ngram_max: int,
+    target: Any,
+    tokens: list[int],
+    target_cache: Any,
+    *,
+    k: int,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+    ngram_min: int,
+    ngram_max: int,
 ) -> tuple[list[int], int, int]:
     """One prompt-lookup round at batch 1: (proposal, num_accepted, next_token)."""
     device = next(target.parameters()).device
     proposal = ngram_proposal(tokens, k, ngram_min, ngram_max)
-    feed = torch.tensor([tokens[cache_len(target_cache):] + proposal], device=device)
+    feed = torch.tensor([tokens[cache_len(target_cache) :] + proposal], device=device)
     p = warp(forward_new(target, target_cache, feed, len(proposal) + 1), sampling)
     if not proposal:
         return [], 0, int(sample(p[:, 0], generator))
@@ -345,14 +354,27 @@ def speculative_generate(
     while not done:
         if method == "draft_model":
             ids, acc, nxt = speculative_round(
-                target, draft, torch.tensor([tokens], device=device), target_cache, draft_cache, k=k,
-                sampling=sampling, draft_sample_method=draft_sample_method, generator=generator,
+                target,
+                draft,
+                torch.tensor([tokens], device=device),
+                target_cache,
+                draft_cache,
+                k=k,
+                sampling=sampling,
+                draft_sample_method=draft_sample_method,
+                generator=generator,
             )
             proposal, num_accepted, next_token = ids[0].tolist(), int(acc[0]), int(nxt[0])
         else:
             proposal, num_accepted, next_token = _ngram_round(
-                target, tokens, target_cache, k=k, sampling=sampling, generator=generator,
-                ngram_min=ngram_min, ngram_max=ngram_max,
+                target,
+                tokens,
+                target_cache,
+                k=k,
+                sampling=sampling,
+                generator=generator,
+                ngram_min=ngram_min,
+                ngram_max=ngram_max,
             )
         stats.record(len(proposal), num_accepted)
         new = [*proposal[:num_accepted], next_token]
@@ -401,9 +423,15 @@ def sample_speculative_batch(
         rows = (filled == n).nonzero().squeeze(-1)
         ctx = torch.cat([prompt.unsqueeze(0).expand(len(rows), -1), out[rows, :n]], dim=1)
         ids, acc, nxt = speculative_round(
-            target, draft, ctx, _shared_prefix_cache(target, prompt, len(rows)),
-            _shared_prefix_cache(draft, prompt, len(rows)), k=k, sampling=sampling,
-            draft_sample_method=draft_sample_method, generator=generator,
+            target,
+            draft,
+            ctx,
+            _shared_prefix_cache(target, prompt, len(rows)),
+            _shared_prefix_cache(draft, prompt, len(rows)),
+            k=k,
+            sampling=sampling,
+            draft_sample_method=draft_sample_method,
+            generator=generator,
         )
         new = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1)
         new[torch.arange(len(rows), device=device), acc] = nxt
@@ -426,7 +454,9 @@ def _validate_job(job: dict[str, Any]) -> None:
     if not Path(str(job.get("target", ""))).is_dir():
         problems.append(f"target: {job.get('target')!r} is not a model folder")
     prompts = job.get("prompts")
-    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+    if not prompts or not all(
+        isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts
+    ):
         problems.append("prompts: need a non-empty list of non-empty token id lists")
     if int(job.get("max_tokens", 0)) < 1:
         problems.append(f"max_tokens: {job.get('max_tokens')!r} must be >= 1")
@@ -451,8 +481,10 @@ def _config_problems(c: dict[str, Any]) -> list[str]:
     if method == "draft_model" and not Path(str(c.get("draft") or "")).is_dir():
         out.append(f"configs[{name}].draft: {c.get('draft')!r} is not a model folder")
     if (c.get("draft_sample_method") or "greedy") not in DRAFT_SAMPLE_METHODS:
-        out.append(f"configs[{name}].draft_sample_method: {c.get('draft_sample_method')!r} is not one of "
-                   f"{list(DRAFT_SAMPLE_METHODS)}")
+        out.append(
+            f"configs[{name}].draft_sample_method: {c.get('draft_sample_method')!r} is not one of "
+            f"{list(DRAFT_SAMPLE_METHODS)}"
+        )
     if float(c.get("temperature", 0.0)) < 0 or not 0 < float(c.get("top_p", 1.0)) <= 1:
         out.append(f"configs[{name}]: temperature must be >= 0 and top_p in (0, 1]")
     return out
@@ -477,7 +509,9 @@ class _ModelCache:
             from distill.models.draft import load_causal_lm
 
             t0 = time.perf_counter()
-            model = load_causal_lm(path, dtype=self.dtype, trust_remote_code=self.trust).to(self.device).eval()
+            model = (
+                load_causal_lm(path, dtype=self.dtype, trust_remote_code=self.trust).to(self.device).eval()
+            )
             self.models[path] = (model, time.perf_counter() - t0)
         return self.models[path]
 
@@ -489,8 +523,11 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 def _one_pass(
-    run_one: Callable[[Sequence[int], torch.Generator], Generation], prompts: list[list[int]], seed: int,
-    device: torch.device, k: int,
+    run_one: Callable[[Sequence[int], torch.Generator], Generation],
+    prompts: list[list[int]],
+    seed: int,
+    device: torch.device,
+    k: int,
 ) -> tuple[list[list[int]], SpecStats]:
     """Every prompt once; prompt i samples with seed + i (as the vLLM worker does), so repeats are identical."""
     stats = SpecStats(max(k, 0))
@@ -502,8 +539,9 @@ def _one_pass(
     return outs, stats
 
 
-def _runner(job: dict[str, Any], c: dict[str, Any], target: Any, draft: Any | None
-            ) -> Callable[[Sequence[int], torch.Generator], Generation]:
+def _runner(
+    job: dict[str, Any], c: dict[str, Any], target: Any, draft: Any | None
+) -> Callable[[Sequence[int], torch.Generator], Generation]:
     sampling = Sampling(float(c.get("temperature", 0.0)), float(c.get("top_p", job.get("top_p", 1.0))))
     max_tokens, eos = int(job["max_tokens"]), job.get("eos_token_id")
     method = c.get("method")
@@ -511,14 +549,23 @@ def _runner(job: dict[str, Any], c: dict[str, Any], target: Any, draft: Any | No
 
     def run_one(prompt: Sequence[int], g: torch.Generator) -> Generation:
         if method is None:
-            ids = target_generate(target, prompt, max_tokens=max_tokens, eos_token_id=eos, sampling=sampling,
-                                  generator=g)
+            ids = target_generate(
+                target, prompt, max_tokens=max_tokens, eos_token_id=eos, sampling=sampling, generator=g
+            )
             return Generation(ids, SpecStats(0))
         return speculative_generate(
-            target, draft, prompt, k=k, sampling=sampling, method=method, generator=g,
+            target,
+            draft,
+            prompt,
+            k=k,
+            sampling=sampling,
+            method=method,
+            generator=g,
             draft_sample_method=c.get("draft_sample_method") or "greedy",
-            ngram_min=int(job.get("ngram_min", 1)), ngram_max=int(job.get("ngram_max", 4)),
-            max_tokens=max_tokens, eos_token_id=eos,
+            ngram_min=int(job.get("ngram_min", 1)),
+            ngram_max=int(job.get("ngram_max", 4)),
+            max_tokens=max_tokens,
+            eos_token_id=eos,
         )
 
     return run_one
@@ -527,13 +574,23 @@ def _runner(job: dict[str, Any], c: dict[str, Any], target: Any, draft: Any | No
 def _empty_result(c: dict[str, Any]) -> dict[str, Any]:
     k = int(c.get("k") or 0) if c.get("method") is not None else 0
     return {
-        "name": c.get("name"), "method": c.get("method"),
-        "draft": str(c["draft"]) if c.get("draft") else None, "k": k,
+        "name": c.get("name"),
+        "method": c.get("method"),
+        "draft": str(c["draft"]) if c.get("draft") else None,
+        "k": k,
         "temperature": float(c.get("temperature", 0.0)),
         "draft_sample_method": c.get("draft_sample_method"),
-        "startup_s": 0.0, "wall_s": [], "output_tokens": 0, "output_tokens_per_pass": [], "num_drafts": 0,
+        "startup_s": 0.0,
+        "wall_s": [],
+        "output_tokens": 0,
+        "output_tokens_per_pass": [],
+        "num_drafts": 0,
         "num_draft_tokens": 0,
-        "num_accepted_tokens": 0, "accepted_per_pos": [0] * k, "texts": [], "token_ids": [], "error": None,
+        "num_accepted_tokens": 0,
+        "accepted_per_pos": [0] * k,
+        "texts": [],
+        "token_ids": [],
+        "error": None,
     }
 
 
@@ -560,9 +617,12 @@ def run_config(job: dict[str, Any], c: dict[str, Any], models: _ModelCache, toke
         if r == 0:
             token_ids = outs
     res.update(
-        output_tokens=res["output_tokens_per_pass"][0], num_drafts=stats.num_drafts,
-        num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
-        accepted_per_pos=stats.accepted_per_pos, token_ids=token_ids,
+        output_tokens=res["output_tokens_per_pass"][0],
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        accepted_per_pos=stats.accepted_per_pos,
+        token_ids=token_ids,
         texts=[tokenizer.decode(t, skip_special_tokens=True) for t in token_ids],
     )
     return res

@@ -19,7 +19,22 @@ CHATML_TEMPLATE = (
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_WORDS = ["the", "a", "an", "of", "to", "and", "in", "is", "it", "that", "for", "on", "with", "as", "was", "be", "by", "this", "are", "from", "at", "or", "have", "not", "but", "what", "all", "were", "when", "we", "there", "can", "your", "which", "their", "said", "if", "will", "each", "about", "how", "up", "out", "them", "then", "she", "many", "some", "so", "these", "would", "other", "into", "has", "more", "her", "two", "like", "him", "see", "time", "could", "no", "make", "than", "first", "been", "its", "who", "now", "people", "my", "made", "over", "did", "down", "only", "way", "find", "use", "may", "water", "long", "little", "very", "after", "words", "called", "just", "where", "most", "know", "get", "through", "back", "much", "before", "go", "good", "new", "write", "our", "used", "me", "man", "too", "any", "day", "same", "right", "look", "think", "also", "around", "another", "came", "come", "work", "three", "word", "must", "because", "does", "part", "even", "place", "well", "such", "here", "take", "why", "things", "help", "put", "years", "different", "away", "again", "off", "went", "old", "number", "great", "tell", "men", "say", "small", "every", "found", "still", "between", "name", "should", "home", "big", "give", "air", "line", "set", "own", "under", "read", "last", "never", "us", "left", "end", "along", "while", "might", "next", "sound", "below", "saw", "something", "thought", "both", "few", "those", "always", "looked", "show", "large", "often", "together", "asked", "house", "world", "going", "want", "school", "important", "until", "form", "food", "keep", "children", "feet", "land", "side", "without", "boy", "once", "animals", "life", "enough", "took", "sometimes", "four", "head", "above", "kind", "began", "almost", "live", "page", "got", "model", "draft", "token", "speculative", "decoding", "target", "accept", "reject", "sample", "probability", "distribution", "python", "code", "function", "data", "train", "loss", "value", "list", "print", "return", "class", "import", "error", "file", "write", "explain", "summarize"]
+_WORDS = """
+the a an of to and in is it that for on with as was be by this are from at or have not but what all
+were when we there can your which their said if will each about how up out them then she many some
+so these would other into has more her two like him see time could no make than first been its who
+now people my made over did down only way find use may water long little very after words called
+just where most know get through back much before go good new write our used me man too any day
+same right look think also around another came come work three word must because does part even
+place well such here take why things help put years different away again off went old number great
+tell men say small every found still between name should home big give air line set own under read
+last never us left end along while might next sound below saw something thought both few those
+always looked show large often together asked house world going want school important until form
+food keep children feet land side without boy once animals life enough took sometimes four head
+above kind began almost live page got model draft token speculative decoding target accept reject
+sample probability distribution python code function data train loss value list print return class
+import error file write explain summarize
+""".split()
 
 
 def synthetic_corpus(n_sentences: int = 3000, seed: int = 0) -> list[str]:

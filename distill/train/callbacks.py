@@ -45,7 +45,9 @@ class AtomicCheckpoint(Callback):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop.handler)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         local_stop = self.stop.requested or bool(getattr(trainer, "received_sigterm", False))
         # Every rank must agree: saving is collective.
@@ -54,8 +56,10 @@ class AtomicCheckpoint(Callback):
             self.save(trainer)
         if stop:
             self.stop.requested = True
-            raise Interrupted(f"received SIGTERM; checkpoint of step {step} saved to {self.path}, rerun the same "
-                              "command to resume.")
+            raise Interrupted(
+                f"received SIGTERM; checkpoint of step {step} saved to {self.path}, rerun the same "
+                "command to resume."
+            )
 
     def save(self, trainer: Any) -> None:
         tmp = self.path.with_name(f".{self.path.name}.{trainer.global_step}.tmp")

@@ -46,8 +46,14 @@ class MicroBatch:
         t = self.teacher
         if t is not None:
             t = SparseTeacher(t.ids.to(device), t.logprobs.to(device), t.rest_logmass.to(device))
-        return MicroBatch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
-                          self.positions.to(device), t, self.rows.to(device))
+        return MicroBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.loss_mask.to(device),
+            self.positions.to(device),
+            t,
+            self.rows.to(device),
+        )
 
 
 class DistillRows(Dataset):
@@ -104,7 +110,7 @@ def collate_micro(items: list[dict[str, Any]], pad_id: int) -> MicroBatch:
 
 def collate_step(items: list[dict[str, Any]], *, micro_batch: int, pad_id: int) -> list[MicroBatch]:
     """One optimizer step's rows -> micro-batches of `micro_batch` rows, each padded to its own length."""
-    return [collate_micro(items[i:i + micro_batch], pad_id) for i in range(0, len(items), micro_batch)]
+    return [collate_micro(items[i : i + micro_batch], pad_id) for i in range(0, len(items), micro_batch)]
 
 
 def load_rows(run_dir: Path, split: str, *, cached: bool, max_seq_len: int) -> DistillRows:
@@ -132,8 +138,18 @@ def load_rows(run_dir: Path, split: str, *, cached: bool, max_seq_len: int) -> D
 class DistillDataModule(L.LightningDataModule):
     """Train and val loaders over `run_dir/data`. State is built in `setup()` (runs on every rank)."""
 
-    def __init__(self, run_dir: Path, *, batch_size: int, grad_accum: int, max_seq_len: int, cached: bool,
-                 pad_id: int, seed: int, num_workers: int = 0):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        batch_size: int,
+        grad_accum: int,
+        max_seq_len: int,
+        cached: bool,
+        pad_id: int,
+        seed: int,
+        num_workers: int = 0,
+    ):
         super().__init__()
         self.run_dir = Path(run_dir)
         self.batch_size = batch_size
@@ -148,7 +164,9 @@ class DistillDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is None:
-            self.train_rows = load_rows(self.run_dir, "train", cached=self.cached, max_seq_len=self.max_seq_len)
+            self.train_rows = load_rows(
+                self.run_dir, "train", cached=self.cached, max_seq_len=self.max_seq_len
+            )
         if self.val_rows is None:
             self.val_rows = load_rows(self.run_dir, "val", cached=self.cached, max_seq_len=self.max_seq_len)
 
@@ -167,10 +185,14 @@ class DistillDataModule(L.LightningDataModule):
 
         assert self.train_rows is not None
         world, rank = self._world()
-        sampler = StatefulDistributedSampler(self.train_rows, num_replicas=world, rank=rank, shuffle=True,
-                                             seed=self.seed, drop_last=True)
+        sampler = StatefulDistributedSampler(
+            self.train_rows, num_replicas=world, rank=rank, shuffle=True, seed=self.seed, drop_last=True
+        )
         return StatefulDataLoader(
-            self.train_rows, batch_size=self.batch_size * self.grad_accum, sampler=sampler, drop_last=True,
+            self.train_rows,
+            batch_size=self.batch_size * self.grad_accum,
+            sampler=sampler,
+            drop_last=True,
             collate_fn=partial(collate_step, micro_batch=self.batch_size, pad_id=self.pad_id),
             num_workers=self.num_workers,
         )
@@ -181,8 +203,14 @@ class DistillDataModule(L.LightningDataModule):
         return val_loader(self.val_rows, self.batch_size, self.pad_id, world=world, rank=rank)
 
 
-def val_loader(rows: DistillRows, batch_size: int, pad_id: int, *, world: int = 1, rank: int = 0) -> DataLoader:
+def val_loader(
+    rows: DistillRows, batch_size: int, pad_id: int, *, world: int = 1, rank: int = 0
+) -> DataLoader:
     """Validation rows of this rank (every row exactly once over all ranks, so summed figures are exact)."""
     shard = DistillRows(rows.ds, rows.cache, rows.max_seq_len, rows.indices[rank::world])
-    return DataLoader(shard, batch_size=batch_size, shuffle=False,
-                      collate_fn=partial(collate_step, micro_batch=batch_size, pad_id=pad_id))
+    return DataLoader(
+        shard,
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=partial(collate_step, micro_batch=batch_size, pad_id=pad_id),
+    )

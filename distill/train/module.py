@@ -41,7 +41,9 @@ class OptimConfig:
     grad_clip: float
 
 
-def response_logits(model: Any, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, vocab: int) -> Tensor:
+def response_logits(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, vocab: int
+) -> Tensor:
     """Logits [N, vocab] predicting the counted tokens (row-major), float32.
 
     The output head runs only on the N response positions (for a 49k vocabulary the full [B, T, V] logits
@@ -77,15 +79,15 @@ class ValAccumulator:
         s[3] += top1.double().sum()
         bucket = positions.clamp(max=self.p).to(s.device)
         nb = self.p + 1
-        s[4:4 + nb].index_add_(0, bucket, acc.double().to(s.device))
-        s[4 + nb:4 + 2 * nb].index_add_(0, bucket, top1.double().to(s.device))
-        s[4 + 2 * nb:].index_add_(0, bucket, torch.ones_like(acc, dtype=torch.float64).to(s.device))
+        s[4 : 4 + nb].index_add_(0, bucket, acc.double().to(s.device))
+        s[4 + nb : 4 + 2 * nb].index_add_(0, bucket, top1.double().to(s.device))
+        s[4 + 2 * nb :].index_add_(0, bucket, torch.ones_like(acc, dtype=torch.float64).to(s.device))
 
     def summary(self) -> dict[str, Any]:
         s = self.sums.cpu().tolist()
         n = s[1]
         nb = self.p + 1
-        acc_b, top1_b, cnt_b = s[4:4 + nb], s[4 + nb:4 + 2 * nb], s[4 + 2 * nb:]
+        acc_b, top1_b, cnt_b = s[4 : 4 + nb], s[4 + nb : 4 + 2 * nb], s[4 + 2 * nb :]
         labels = [str(i) for i in range(self.p)] + [f"{self.p}+"]
         return {
             "loss": s[0] / n if n else math.nan,
@@ -93,8 +95,11 @@ class ValAccumulator:
             "top1_agreement": s[3] / n if n else math.nan,
             "tokens": int(n),
             "per_position": {
-                lab: {"expected_acceptance": a / c if c else None, "top1_agreement": t / c if c else None,
-                      "tokens": int(c)}
+                lab: {
+                    "expected_acceptance": a / c if c else None,
+                    "top1_agreement": t / c if c else None,
+                    "tokens": int(c),
+                }
                 for lab, a, t, c in zip(labels, acc_b, top1_b, cnt_b, strict=False)
             },
         }
@@ -110,8 +115,15 @@ def micro_teacher(teacher: Any | None, mb: MicroBatch, vocab: int) -> Tensor | S
         return response_logits(teacher, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
 
 
-def eval_micro(draft: Any, teacher: Any | None, mb: MicroBatch, spec: LossSpec, eval_temperature: float,
-               vocab: int, acc: ValAccumulator) -> None:
+def eval_micro(
+    draft: Any,
+    teacher: Any | None,
+    mb: MicroBatch,
+    spec: LossSpec,
+    eval_temperature: float,
+    vocab: int,
+    acc: ValAccumulator,
+) -> None:
     """Add one micro-batch's validation figures to `acc` (no grad)."""
     with torch.no_grad():
         s_logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
@@ -124,8 +136,16 @@ def eval_micro(draft: Any, teacher: Any | None, mb: MicroBatch, spec: LossSpec, 
         acc.update(loss, a, top1, mb.positions)
 
 
-def evaluate_draft(draft: Any, teacher: Any | None, loader: Any, spec: LossSpec, *, eval_temperature: float,
-                   vocab: int, max_positions: int) -> dict[str, Any]:
+def evaluate_draft(
+    draft: Any,
+    teacher: Any | None,
+    loader: Any,
+    spec: LossSpec,
+    *,
+    eval_temperature: float,
+    vocab: int,
+    max_positions: int,
+) -> dict[str, Any]:
     """Validation figures of `draft` over `loader` (a plain loop: used for the undistilled baseline)."""
     acc = ValAccumulator(max_positions)
     was_training = draft.training
@@ -173,9 +193,19 @@ class DistillModule(L.LightningModule):
     """Draft (trained) + frozen teacher (held outside the module tree: no checkpoint, DDP or optimizer
     involvement, never switched to train mode) or none when the batches carry cached top-k rows."""
 
-    def __init__(self, draft: torch.nn.Module, teacher: torch.nn.Module | None, spec: LossSpec, optim: OptimConfig,
-                 *, vocab: int, eval_temperature: float, max_positions: int, hparams: dict[str, Any],
-                 history_path: Path | None = None):
+    def __init__(
+        self,
+        draft: torch.nn.Module,
+        teacher: torch.nn.Module | None,
+        spec: LossSpec,
+        optim: OptimConfig,
+        *,
+        vocab: int,
+        eval_temperature: float,
+        max_positions: int,
+        hparams: dict[str, Any],
+        history_path: Path | None = None,
+    ):
         super().__init__()
         self.draft = draft
         self.draft.train()  # from_pretrained returns eval mode and Lightning does not switch it back
@@ -228,8 +258,9 @@ class DistillModule(L.LightningModule):
     def training_step(self, batch: list[MicroBatch], batch_idx: int) -> Tensor:
         opt: Any = self.optimizers()
         sched: Any = self.lr_schedulers()
-        n_global, tokens_global = self._global_sums(sum(mb.num_tokens for mb in batch),
-                                                    sum(int(mb.attention_mask.sum()) for mb in batch))
+        n_global, tokens_global = self._global_sums(
+            sum(mb.num_tokens for mb in batch), sum(int(mb.attention_mask.sum()) for mb in batch)
+        )
         # DDP averages gradients over ranks; multiplying by world size turns that into the global sum.
         scale = self.trainer.world_size / max(n_global, 1.0)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -237,7 +268,9 @@ class DistillModule(L.LightningModule):
         for mb in batch:
             s_logits = response_logits(self.draft, mb.input_ids, mb.attention_mask, mb.loss_mask, self.vocab)
             teacher = micro_teacher(self.teacher, mb, self.vocab)
-            loss_sum = per_token_loss(self.spec, s_logits, select_labels(mb.input_ids, mb.loss_mask), teacher).sum()
+            loss_sum = per_token_loss(
+                self.spec, s_logits, select_labels(mb.input_ids, mb.loss_mask), teacher
+            ).sum()
             if not torch.isfinite(loss_sum):
                 bad_rows.extend(mb.rows.tolist())
             self.manual_backward(loss_sum * scale)
@@ -264,8 +297,15 @@ class DistillModule(L.LightningModule):
         self.log_dict(metrics, prog_bar=False, on_step=True, on_epoch=False, rank_zero_only=True)
         self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=False, logger=False, rank_zero_only=True)
         if "train/tokens_per_s" in metrics:
-            self.log("tok/s", metrics["train/tokens_per_s"], prog_bar=True, on_step=True, on_epoch=False,
-                     logger=False, rank_zero_only=True)
+            self.log(
+                "tok/s",
+                metrics["train/tokens_per_s"],
+                prog_bar=True,
+                on_step=True,
+                on_epoch=False,
+                logger=False,
+                rank_zero_only=True,
+            )
 
     def _non_finite(self, loss: float, batch_idx: int, rows: list[int]) -> None:
         where = f"dataset rows {rows[:16]} on rank {self.global_rank}" if rows else "on another rank"
@@ -285,7 +325,9 @@ class DistillModule(L.LightningModule):
     def validation_step(self, batch: list[MicroBatch], batch_idx: int) -> None:
         assert self._val_acc is not None
         for mb in batch:
-            eval_micro(self.draft, self.teacher, mb, self.spec, self.eval_temperature, self.vocab, self._val_acc)
+            eval_micro(
+                self.draft, self.teacher, mb, self.spec, self.eval_temperature, self.vocab, self._val_acc
+            )
 
     def on_validation_epoch_end(self) -> None:
         assert self._val_acc is not None
@@ -297,8 +339,11 @@ class DistillModule(L.LightningModule):
         summary["step"] = int(self.global_step) if fitting or self.eval_step is None else self.eval_step
         if self.trainer.is_global_zero and self.history_path is not None:
             append_history(self.history_path, summary)
-        metrics = {"val/loss": summary["loss"], "val/expected_acceptance": summary["expected_acceptance"],
-                   "val/top1_agreement": summary["top1_agreement"]}
+        metrics = {
+            "val/loss": summary["loss"],
+            "val/expected_acceptance": summary["expected_acceptance"],
+            "val/top1_agreement": summary["top1_agreement"],
+        }
         for lab, pos in summary["per_position"].items():
             if pos["tokens"]:
                 metrics[f"val_pos/expected_acceptance_{lab}"] = pos["expected_acceptance"]

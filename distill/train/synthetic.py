@@ -11,13 +11,27 @@ from typing import Any
 
 import torch
 
-TOPICS = ["decoding", "sorting", "the moon", "python lists", "coffee", "trains", "rain", "music", "chess",
-          "gardens", "maps", "bread"]
+TOPICS = [
+    "decoding",
+    "sorting",
+    "the moon",
+    "python lists",
+    "coffee",
+    "trains",
+    "rain",
+    "music",
+    "chess",
+    "gardens",
+    "maps",
+    "bread",
+]
 
 
 def synthetic_prompts(n: int, offset: int = 0) -> list[str]:
-    return [f"Explain {TOPICS[i % len(TOPICS)]} in {i % 5 + 1} short sentences, example {i}."
-            for i in range(offset, offset + n)]
+    return [
+        f"Explain {TOPICS[i % len(TOPICS)]} in {i % 5 + 1} short sentences, example {i}."
+        for i in range(offset, offset + n)
+    ]
 
 
 def greedy_rows(model: Any, tok: Any, prompts: list[str], max_new_tokens: int) -> list[dict[str, Any]]:
@@ -25,17 +39,29 @@ def greedy_rows(model: Any, tok: Any, prompts: list[str], max_new_tokens: int) -
     rows = []
     eos = tok.eos_token_id
     for i, text in enumerate(prompts):
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos)
-        response = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+        response = out[0, len(ids) :].tolist()
         if eos in response:
             response = response[: response.index(eos) + 1]
-        rows.append({"input_ids": ids + response, "loss_mask": [0] * len(ids) + [1] * len(response),
-                     "prompt_id": f"p{i:05d}", "response_index": 0})
+        rows.append(
+            {
+                "input_ids": ids + response,
+                "loss_mask": [0] * len(ids) + [1] * len(response),
+                "prompt_id": f"p{i:05d}",
+                "response_index": 0,
+            }
+        )
     return rows
 
 
@@ -69,8 +95,15 @@ def write_topk(run_dir: Path, split: str, model: Any, rows: list[dict[str, Any]]
     return folder
 
 
-def build_run_data(run_dir: Path, target_dir: Path, *, n_train: int = 48, n_val: int = 8,
-                   max_new_tokens: int = 24, top_k: int = 0) -> Path:
+def build_run_data(
+    run_dir: Path,
+    target_dir: Path,
+    *,
+    n_train: int = 48,
+    n_val: int = 8,
+    max_new_tokens: int = 24,
+    top_k: int = 0,
+) -> Path:
     """Write `run_dir/data/{train,val}` (and `topk/` when top_k > 0) from the target's greedy generations."""
     from distill.models.draft import load_causal_lm, load_tokenizer
 
