@@ -23,7 +23,15 @@ from distill.losses import (
     tvd_per_token,
 )
 
-torch.set_default_dtype(torch.float64)  # reference comparisons in double; the losses cast to float32 anyway
+
+@pytest.fixture(autouse=True)
+def _double_default_dtype():
+    """Reference comparisons in double (the losses cast to float32 anyway); restored after each test so
+    the rest of the suite keeps float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def _logits(n: int = 6, v: int = 11, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -45,7 +53,9 @@ def _ref_kl(p: list[float], q: list[float]) -> float:
     return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=False) if pi > 0)
 
 
-def _ref_all(t_logits: torch.Tensor, s_logits: torch.Tensor, beta: float, temp: float = 1.0) -> dict[str, list]:
+def _ref_all(
+    t_logits: torch.Tensor, s_logits: torch.Tensor, beta: float, temp: float = 1.0
+) -> dict[str, list]:
     out: dict[str, list] = {"fkl": [], "rkl": [], "jsd": [], "tvd": [], "acc": []}
     for tr, sr in zip(t_logits.tolist(), s_logits.tolist(), strict=False):
         p, q = _ref_probs(tr, temp), _ref_probs(sr, temp)
@@ -73,11 +83,13 @@ def test_dense_terms_match_reference(temp):
     tl, sl = dense_pair(t, s, temp)
     torch.testing.assert_close(kl_per_token(tl, sl).double(), torch.tensor(ref["fkl"]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(kl_per_token(sl, tl).double(), torch.tensor(ref["rkl"]), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(jsd_per_token(tl, sl, 0.3).double(), torch.tensor(ref["jsd"]), rtol=1e-4,
-                               atol=1e-5)
+    torch.testing.assert_close(
+        jsd_per_token(tl, sl, 0.3).double(), torch.tensor(ref["jsd"]), rtol=1e-4, atol=1e-5
+    )
     torch.testing.assert_close(tvd_per_token(tl, sl).double(), torch.tensor(ref["tvd"]), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(acceptance_per_token(tl, sl).double(), torch.tensor(ref["acc"]), rtol=1e-4,
-                               atol=1e-5)
+    torch.testing.assert_close(
+        acceptance_per_token(tl, sl).double(), torch.tensor(ref["acc"]), rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
@@ -90,7 +102,9 @@ def test_identical_inputs_give_zero(name):
 def test_nonidentical_inputs_give_positive():
     t, s = _logits(seed=1), _logits(seed=2)
     for name in ["fkl", "rkl", "jsd", "tvd"]:
-        assert (per_token_loss(LossSpec.single(name), s, torch.zeros(6, dtype=torch.long), t) > 1e-3).all(), name
+        assert (per_token_loss(LossSpec.single(name), s, torch.zeros(6, dtype=torch.long), t) > 1e-3).all(), (
+            name
+        )
 
 
 def test_jsd_symmetric_at_half():
@@ -141,7 +155,7 @@ def test_sparse_rest_bucket_matches_reference():
         ids = st.ids[r].tolist()
         pb = [p[i] for i in ids] + [1 - sum(p[i] for i in ids)]
         qb = [q[i] for i in ids] + [1 - sum(q[i] for i in ids)]
-        assert abs(kl_per_token(tl[r:r + 1], sl[r:r + 1]).item() - _ref_kl(pb, qb)) < 1e-4
+        assert abs(kl_per_token(tl[r : r + 1], sl[r : r + 1]).item() - _ref_kl(pb, qb)) < 1e-4
         assert abs(tl[r].exp().sum().item() - 1) < 1e-5 and abs(sl[r].exp().sum().item() - 1) < 1e-5
 
 
@@ -158,7 +172,9 @@ def test_ce_and_mix_and_global_normalisation():
     t, s = _logits(seed=10), _logits(seed=11)
     labels = torch.tensor([0, 1, 2, 3, 4, 5])
     ce = per_token_loss(LossSpec.single("ce"), s, labels, None)
-    ref_ce = torch.tensor([-math.log(_ref_probs(r)[y]) for r, y in zip(s.tolist(), labels.tolist(), strict=False)])
+    ref_ce = torch.tensor(
+        [-math.log(_ref_probs(r)[y]) for r, y in zip(s.tolist(), labels.tolist(), strict=False)]
+    )
     torch.testing.assert_close(ce.double(), ref_ce, rtol=1e-5, atol=1e-6)
     mix = LossSpec({"fkl": 0.5, "ce": 2.0})
     fkl = per_token_loss(LossSpec.single("fkl"), s, labels, t)
@@ -171,7 +187,9 @@ def test_ce_and_mix_and_global_normalisation():
 def test_sparse_rejects_temperature():
     t, s = _logits(), _logits(seed=1)
     with pytest.raises(ValueError, match="temperature"):
-        per_token_loss(LossSpec.single("fkl", temperature=2.0), s, torch.zeros(6, dtype=torch.long), _topk(t, 4))
+        per_token_loss(
+            LossSpec.single("fkl", temperature=2.0), s, torch.zeros(6, dtype=torch.long), _topk(t, 4)
+        )
 
 
 def test_selection_shift():
