@@ -7,6 +7,8 @@ from typing import Literal
 
 from distill.schema import opt
 
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
 
 @dataclass
 class DraftRef:
@@ -17,9 +19,13 @@ class DraftRef:
 @dataclass
 class EvalConfig:
     engine: Literal["auto", "vllm", "hf"] = opt(
-        "auto", "`vllm` = real vLLM speculative decoding; `hf` = the reference PyTorch engine; `auto` = vLLM if installed."
+        "auto",
+        "`vllm` = real vLLM speculative decoding; `hf` = the reference PyTorch engine; `auto` = vLLM if installed.",
     )
     prompts: str = opt("", "Prompt source for eval; empty = the `test` split of `data.source`.")
+    prompt_field: str = opt(
+        "auto", "Field holding the prompt in `eval.prompts` (`prompt`, `messages`, `text`, auto)."
+    )
     num_prompts: int = opt(100, "Prompts evaluated.", ge=1)
     max_tokens: int = opt(128, "New tokens per prompt (stops early at EOS).", ge=1)
     drafts: list[DraftRef] = opt(
@@ -29,3 +35,78 @@ class EvalConfig:
     k: list[int] = opt([1, 2, 3, 4, 5, 6], "Speculative tokens per step to sweep.", each_ge=1)
     temperatures: list[float] = opt([0.0], "Sampling temperatures to evaluate.", each_ge=0.0)
     repeats: int = opt(3, "Timed repeats per configuration (median reported).", ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = opt(
+        None, "Precision of target and drafts in eval; null = target.dtype. Greedy equality holds in float32."
+    )
+    draft_sample_methods: list[str] = opt(
+        ["greedy", "probabilistic"],
+        "vLLM `draft_sample_method`s swept at temperature > 0 (greedy = argmax drafts, probabilistic = sampled "
+        "drafts with full draft probabilities in the ratio test). Temperature 0 always uses greedy.",
+    )
+    rejection_sample_method: Literal["standard", "block"] = opt(
+        "standard", "vLLM `rejection_sample_method` (`synthetic` is not offered: it asserts on CPU)."
+    )
+    ngram: bool = opt(
+        True, "Also measure vLLM's prompt-lookup (ngram) speculation, the no-training baseline."
+    )
+    ngram_k: int = opt(0, "Speculative tokens for ngram; 0 = the largest of eval.k.", ge=0)
+    ngram_prompt_lookup_min: int = opt(
+        2, "Shortest n-gram matched in the prompt (vLLM prompt_lookup_min).", ge=1
+    )
+    ngram_prompt_lookup_max: int = opt(
+        5, "Longest n-gram matched in the prompt (vLLM prompt_lookup_max).", ge=1
+    )
+    max_num_seqs: int = opt(
+        8, "Prompts decoded concurrently (vLLM max_num_seqs; the batch of the measurement).", ge=1
+    )
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism (GPUs) for target and draft.", ge=1)
+    enforce_eager: bool = opt(True, "vLLM enforce_eager: no graph compile (faster start-up; on CPU no loss).")
+    cpu_reserved_cores: int = opt(
+        0,
+        "VLLM_CPU_NUM_OF_RESERVED_CPU: cores vLLM keeps free on CPU (its default 1 halves a 2-core machine).",
+        ge=0,
+    )
+    cpu_kvcache_gib: int = opt(2, "VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU.", ge=1)
+    gpu_memory_utilization: float = opt(0.85, "vLLM gpu_memory_utilization on GPUs.", gt=0.0, le=1.0)
+    timeout_s: float = opt(
+        7200.0, "The vLLM worker is stopped after this many seconds (partial results kept).", gt=0.0
+    )
+    min_acceptance: float = opt(
+        0.5, "Below this acceptance rate the recommendation says deploy: false.", ge=0.0, le=1.0
+    )
+    cost_ratio: float | None = opt(
+        None,
+        "Draft/target cost ratio c for the analytic estimate; null = measured (PyTorch decode steps).",
+        ge=0.0,
+    )
+    analytic_prompts: int = opt(
+        8,
+        "Prompts used to estimate acceptance from the distributions (Σ min(p, q)) for the analytic "
+        "estimate; 0 = skip the estimate.",
+        ge=0,
+    )
+    plots: bool = opt(True, "Write PNG plots (per-position acceptance, speedup vs k).")
+
+    def problems(self) -> list[str]:
+        out = []
+        bad = [m for m in self.draft_sample_methods if m not in DRAFT_SAMPLE_METHODS]
+        if bad or not self.draft_sample_methods:
+            out.append(
+                f"draft_sample_methods: {bad or '[]'} invalid; use a non-empty list of "
+                f"{', '.join(DRAFT_SAMPLE_METHODS)}."
+            )
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            out.append(
+                f"ngram_prompt_lookup_min: {self.ngram_prompt_lookup_min} must be <= "
+                f"eval.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})."
+            )
+        names = [d.name for d in self.drafts]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            out.append(f"drafts: names must be unique, {dup} repeated.")
+        reserved = {"no_spec", "ngram"} & set(names)
+        if reserved:
+            out.append(f"drafts: {sorted(reserved)} are reserved names (the baselines); rename the draft.")
+        if len(set(self.k)) != len(self.k) or not self.k:
+            out.append(f"k: {self.k} must be a non-empty list without repeats.")
+        return out

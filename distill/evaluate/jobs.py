@@ -1,0 +1,90 @@
+"""The eval job: one plain dict (JSON-safe) that both engines take.
+
+`distill.vllm_worker.speculate.run_job(job)` (vLLM, in the worker subprocess) and
+`distill.evaluate.reference.run_reference_job(job)` (the PyTorch reference engine) receive the same dict and
+return the same shape.
+
+Job keys:
+    kind: "speculate"
+    target: str — local HF folder of the target.
+    dtype: "float32" | "bfloat16" | "float16" — precision of target and drafts.
+    trust_remote_code: bool
+    prompts: list[list[int]] — token ids, chat template already applied (add_generation_prompt=True).
+    max_tokens: int — new tokens per prompt at most; generation stops earlier at EOS (no ignore_eos).
+    eos_token_id: int — the target tokenizer's EOS id.
+    stop_token_ids: list[int] — every id that ends generation (EOS of tokenizer and generation config).
+    max_model_len: int — longest prompt + max_tokens + largest k + margin.
+    configs: list of {name: str, method: None | "ngram" | "draft_model", draft: str | None (folder),
+             k: int (0 for no_spec), temperature: float, draft_sample_method: None | "greedy" | "probabilistic"}
+    repeats: int — timed passes over all prompts (after one warm-up pass).
+    seed: int — prompt i is sampled with seed + i (same work in every repeat and configuration).
+    rejection_sample_method: "standard" | "block"
+    ngram_prompt_lookup_min, ngram_prompt_lookup_max: int
+    max_num_seqs: int — prompts decoded concurrently.
+    tensor_parallel_size: int; enforce_eager: bool; gpu_memory_utilization: float
+    device: "cpu" | "cuda"
+    partial_path: str | None — where the worker rewrites {"results": [...], "complete": false} after each
+        engine, so a crash or timeout keeps what was measured.
+
+Result: {"results": [per-config dict], "complete": bool, "engine": str, "engine_version": str, "device": str,
+...}. Per-config dict:
+    {name, method, draft, k, temperature, draft_sample_method, startup_s: float | None,
+     wall_s: [float per timed pass], load_avg: [1-min load average before each timed pass] (optional), output_tokens: int (tokens generated in one pass over all prompts),
+     output_tokens_per_pass: [int], num_drafts, num_draft_tokens, num_accepted_tokens: int (summed over the
+     timed passes), accepted_per_pos: [int] * k (same passes), texts: [str per prompt],
+     token_ids: [[int] per prompt], error: str | None}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NO_SPEC = "no_spec"
+NGRAM = "ngram"
+
+
+def build_configs(
+    *,
+    drafts: list[tuple[str, str]],
+    ks: list[int],
+    temperatures: list[float],
+    draft_sample_methods: list[str],
+    ngram_k: int | None,
+) -> list[dict[str, Any]]:
+    """Every configuration, grouped so configurations sharing an engine are adjacent.
+
+    At temperature 0 only greedy drafting is measured (probabilistic drafting changes nothing there);
+    at temperature > 0 every method in `draft_sample_methods` is.
+    """
+    temps = sorted(set(temperatures))
+    out: list[dict[str, Any]] = []
+
+    def add(
+        name: str, method: str | None, draft: str | None, k: int, dsm: str | None, ts: list[float]
+    ) -> None:
+        out.extend(
+            {
+                "name": name,
+                "method": method,
+                "draft": draft,
+                "k": k,
+                "temperature": float(t),
+                "draft_sample_method": dsm,
+            }
+            for t in ts
+        )
+
+    add(NO_SPEC, None, None, 0, None, temps)
+    if ngram_k:
+        add(NGRAM, "ngram", None, ngram_k, None, temps)
+    hot = [t for t in temps if t > 0]
+    for name, path in drafts:
+        for k in ks:
+            for dsm in draft_sample_methods:
+                ts = ([t for t in temps if t == 0] if dsm == "greedy" else []) + hot
+                if dsm != "greedy" and not hot:
+                    continue
+                add(name, "draft_model", path, k, dsm, ts)
+            if "greedy" not in draft_sample_methods and 0.0 in temps:
+                add(name, "draft_model", path, k, "greedy", [0.0])
+    return out

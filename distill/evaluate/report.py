@@ -1,0 +1,276 @@
+"""Turn the engine's per-configuration results into `eval/report.json` rows, recommendations and markdown.
+
+Pure functions of plain dicts (no engine, no files), so the report math is tested on canned results.
+Definitions follow vLLM and CONTRACT.md: acceptance_rate = accepted / draft tokens; mean_acceptance_length =
+1 + accepted / drafts; per_position_acceptance[i] = accepted at i / drafts; speedup = tokens_per_s / no_spec
+tokens_per_s at the same temperature on the same prompts, tokens_per_s being the median over the timed passes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from distill.evaluate.jobs import NO_SPEC
+from distill.evaluate.metrics import acceptance_rates
+
+SLOWER_WARNING = "speculation is slower than none here"
+
+
+def tokens_per_s(res: dict[str, Any]) -> float | None:
+    """Median over the timed passes of (tokens generated in the pass / wall seconds of the pass)."""
+    walls = res.get("wall_s") or []
+    per_pass = res.get("output_tokens_per_pass") or [res.get("output_tokens", 0)] * len(walls)
+    rates = [n / w for n, w in zip(per_pass, walls, strict=False) if w and w > 0]
+    return statistics.median(rates) if rates else None
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def greedy_agreement(res: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Share of prompts whose text equals the no_spec text, and the mean common-prefix length in tokens."""
+    texts, ref = res.get("texts") or [], base.get("texts") or []
+    if not texts or len(texts) != len(ref):
+        return {"greedy_match": None, "mean_common_prefix": None}
+    same = sum(1 for a, b in zip(texts, ref, strict=True) if a == b)
+    ids, ref_ids = res.get("token_ids") or [], base.get("token_ids") or []
+    prefix = None
+    if ids and len(ids) == len(ref_ids):
+        prefix = statistics.fmean(common_prefix_len(a, b) for a, b in zip(ids, ref_ids, strict=True))
+    return {"greedy_match": same / len(texts), "mean_common_prefix": prefix}
+
+
+def _baselines(results: list[dict[str, Any]]) -> dict[float, dict[str, Any]]:
+    return {float(r["temperature"]): r for r in results if r.get("name") == NO_SPEC and not r.get("error")}
+
+
+def result_row(res: dict[str, Any], base: dict[str, Any] | None, *, dtype: str) -> dict[str, Any]:
+    """One `results[]` entry of report.json (without the bulky texts and token ids)."""
+    tps = tokens_per_s(res)
+    base_tps = tokens_per_s(base) if base else None
+    row: dict[str, Any] = {
+        key: res.get(key)
+        for key in (
+            "name",
+            "method",
+            "draft",
+            "k",
+            "temperature",
+            "draft_sample_method",
+            "startup_s",
+            "wall_s",
+            "load_avg",
+            "output_tokens",
+            "error",
+        )
+    }
+    row["dtype"] = dtype
+    row["tokens_per_s"] = tps
+    row["speedup"] = (tps / base_tps) if (tps is not None and base_tps) else None
+    if res.get("method") is not None:
+        counts = {
+            key: int(res.get(key) or 0) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        }
+        row.update(counts)
+        row["accepted_per_pos"] = list(res.get("accepted_per_pos") or [])
+        row.update(
+            acceptance_rates(
+                counts["num_drafts"],
+                counts["num_draft_tokens"],
+                counts["num_accepted_tokens"],
+                row["accepted_per_pos"],
+            )
+        )
+        if float(res["temperature"]) == 0.0 and base is not None and not res.get("error"):
+            row.update(greedy_agreement(res, base))
+    return row
+
+
+def build_rows(results: list[dict[str, Any]], *, dtype: str) -> list[dict[str, Any]]:
+    bases = _baselines(results)
+    return [result_row(r, bases.get(float(r["temperature"])), dtype=dtype) for r in results]
+
+
+def add_analytic(
+    rows: list[dict[str, Any]],
+    expected_speedup: Callable[[float, int, float], float],
+    cost_ratio: dict[str, float],
+) -> None:
+    """Beside each measured speedup, the analytic one from the measured acceptance and the cost ratio c."""
+    for row in rows:
+        c = cost_ratio.get(str(row.get("name")))
+        alpha = row.get("acceptance_rate")
+        if row.get("method") != "draft_model" or c is None or alpha is None or not row.get("k"):
+            continue
+        row["cost_ratio"] = c
+        row["analytic_speedup"] = float(expected_speedup(min(float(alpha), 1.0 - 1e-9), int(row["k"]), c))
+
+
+def add_estimates(
+    rows: list[dict[str, Any]],
+    expected_speedup: Callable[[float, int, float], float],
+    cost_ratio: dict[str, float],
+    estimates: dict[tuple[str, float, str], dict[str, Any]],
+) -> None:
+    """Beside each measured acceptance and speedup, the ones predicted from the estimated acceptance."""
+    for row in rows:
+        key = (str(row.get("name")), float(row["temperature"]), row.get("draft_sample_method") or "greedy")
+        est, c = estimates.get(key), cost_ratio.get(str(row.get("name")))
+        if row.get("method") != "draft_model" or est is None or not row.get("k"):
+            continue
+        alpha = float(est["alpha"])
+        row["estimated_acceptance"] = alpha
+        if c is not None:
+            row["estimated_speedup"] = float(expected_speedup(min(alpha, 1.0 - 1e-9), int(row["k"]), c))
+
+
+def recommend(rows: list[dict[str, Any]], *, min_acceptance: float) -> list[dict[str, Any]]:
+    """The fastest speculative configuration per temperature, with the deploy gate:
+    deploy only when acceptance >= `min_acceptance` and speedup > 1."""
+    out = []
+    for temp in sorted({float(r["temperature"]) for r in rows}):
+        cands = [
+            r
+            for r in rows
+            if float(r["temperature"]) == temp
+            and r.get("method") is not None
+            and r.get("speedup") is not None
+            and not r.get("error")
+        ]
+        if not cands:
+            out.append(
+                {
+                    "temperature": temp,
+                    "name": None,
+                    "k": None,
+                    "speedup": None,
+                    "deploy": False,
+                    "reason": "no speculative configuration was measured at this temperature",
+                    "warning": "nothing to recommend",
+                }
+            )
+            continue
+        # The fastest configuration that passes the gate; when none does, the fastest one, flagged.
+        passing = [r for r in cands if not _problems(r, min_acceptance)]
+        best = max(passing or cands, key=lambda r: r["speedup"])
+        out.append(_gate(best, min_acceptance))
+    return out
+
+
+def _problems(row: dict[str, Any], min_acceptance: float) -> list[str]:
+    acc, speedup = row.get("acceptance_rate"), float(row["speedup"])
+    problems = []
+    if speedup <= 1.0:
+        problems.append(f"{SLOWER_WARNING} (best speedup {speedup:.2f}x)")
+    if acc is None or acc < min_acceptance:
+        shown = "n/a" if acc is None else f"{acc:.2f}"
+        problems.append(f"acceptance {shown} < {min_acceptance:.2f}: the draft rarely matches the target")
+    return problems
+
+
+def _gate(best: dict[str, Any], min_acceptance: float) -> dict[str, Any]:
+    acc, speedup = best.get("acceptance_rate"), float(best["speedup"])
+    problems = _problems(best, min_acceptance)
+    label = f"{best['name']} k={best['k']}" + (
+        f" ({best['draft_sample_method']} drafting)" if best.get("draft_sample_method") else ""
+    )
+    rec = {
+        "temperature": float(best["temperature"]),
+        "name": best["name"],
+        "method": best.get("method"),
+        "draft": best.get("draft"),
+        "k": best["k"],
+        "draft_sample_method": best.get("draft_sample_method"),
+        "speedup": speedup,
+        "acceptance_rate": acc,
+        "deploy": not problems,
+    }
+    if problems:
+        rec["reason"] = f"best measured is {label}, but " + "; ".join(problems) + ". Do not deploy it."
+        rec["warning"] = "; ".join(problems)
+    else:
+        rec["reason"] = f"{label} is the fastest: {speedup:.2f}x the target alone, acceptance {acc:.2f}."
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Speculative decoding eval — {report.get('target')}", ""]
+    if not report.get("complete", False):
+        lines += [
+            "> **INCOMPLETE**: "
+            + str(report.get("error") or "the run did not finish")
+            + " Figures below cover only the configurations that finished.",
+            "",
+        ]
+    for note in report.get("notes") or []:
+        lines += [f"> {note}", ""]
+    lines += [
+        f"- engine: {report.get('engine')} {report.get('engine_version')} on {report.get('device')}, "
+        f"dtype {report.get('dtype')}",
+        f"- prompts: {report['prompts']['count']} from `{report['prompts']['source']}`, max_tokens "
+        f"{report.get('max_tokens')} (stop at EOS), batch (max_num_seqs) {report['settings'].get('max_num_seqs')}, "
+        f"{report['settings'].get('repeats')} timed repeats after a warm-up (median)",
+        f"- draft sampling: {', '.join(report['settings'].get('draft_sample_methods', []))}; rejection sampling: "
+        f"{report['settings'].get('rejection_sample_method')}",
+        f"- vLLM CPU settings: {report['settings'].get('vllm_env')}"
+        if report.get("engine") == "vllm" and report.get("device") == "cpu"
+        else f"- engine settings: tensor_parallel_size {report['settings'].get('tensor_parallel_size')}",
+        "",
+    ]
+    for rec in report.get("recommendations", []):
+        verdict = "deploy" if rec["deploy"] else "**do not deploy**"
+        lines.append(f"- T={rec['temperature']}: {verdict} — {rec['reason']}")
+    lines.append("")
+    for temp in sorted({float(r["temperature"]) for r in report["results"]}):
+        lines += _table(temp, [r for r in report["results"] if float(r["temperature"]) == temp])
+    mem = report.get("memory")
+    if mem:
+        lines += ["## Memory estimate", "", "| part | GiB |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in mem.get("gib", {}).items()]
+        lines += ["", str(mem.get("note", "")), ""]
+    return "\n".join(lines) + "\n"
+
+
+def _est(row: dict[str, Any], key: str) -> str:
+    return f" ({row[key]:.2f})" if row.get(key) is not None else ""
+
+
+def _table(temp: float, rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        f"## Temperature {temp}",
+        "",
+        "| config | k | drafting | acceptance rate (est.) | mean acceptance length | tokens/s | speedup | "
+        "analytic speedup: measured a (est. a) | greedy match | start-up s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = r["name"] + (" (error)" if r.get("error") else "")
+        out.append(
+            f"| {name} | {r.get('k')} | {r.get('draft_sample_method') or '–'} | {_fmt(r.get('acceptance_rate'))}{_est(r, 'estimated_acceptance')} "
+            f"| {_fmt(r.get('mean_acceptance_length'))} | {_fmt(r.get('tokens_per_s'), '.1f')} "
+            f"| {_fmt(r.get('speedup'))} | {_fmt(r.get('analytic_speedup'))}{_est(r, 'estimated_speedup')} | {_fmt(r.get('greedy_match'))} "
+            f"| {_fmt(r.get('startup_s'), '.1f')} |"
+        )
+    errors = [r for r in rows if r.get("error")]
+    out += [""] + [f"- {r['name']} k={r.get('k')}: {r['error']}" for r in errors] + ([""] if errors else [])
+    return out

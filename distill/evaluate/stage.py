@@ -1,0 +1,502 @@
+"""`distill eval`: measure drafts inside real vLLM speculative decoding (or the reference PyTorch engine).
+
+run(cfg): validate everything (target, drafts, vocabularies, prompts, engine) before writing anything; build
+the job (`distill/evaluate/jobs.py`); run it in the vLLM worker subprocess (timeout → partial results, marked
+incomplete) or in the reference engine; write `eval/report.json`, `eval/report.md` and the PNG plots; mark the
+stage complete only when every configuration was measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distill import rundir
+from distill.config import Config
+from distill.errors import InputError, RuntimeFailure
+from distill.evaluate import jobs, report
+from distill.utils.fs import atomic_write_json, atomic_write_text, read_json
+
+log = logging.getLogger("distill.eval")
+
+
+@dataclass
+class Plan:
+    """Everything validated before the stage writes anything."""
+
+    engine: str  # "vllm" | "hf"
+    device: str  # "cpu" | "cuda"
+    dtype: str
+    target_dir: Path
+    target_config: Any
+    eos_token_id: int
+    stop_token_ids: list[int]
+    drafts: dict[str, Path]
+    draft_configs: dict[str, Any]
+    prompts: list[list[int]]
+    prompt_source: str
+    skipped_prompts: int
+    max_model_len: int
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Preflight
+
+
+def choose_engine(cfg: Config) -> tuple[str, list[str]]:
+    from distill.utils.subproc import require_vllm, vllm_available
+
+    want = cfg.eval.engine
+    if want == "hf":
+        return "hf", []
+    if want == "vllm":
+        require_vllm("eval.engine")
+        return "vllm", []
+    if vllm_available():
+        return "vllm", []
+    note = (
+        "vLLM is not installed: eval.engine=auto fell back to the reference PyTorch engine. Install "
+        "`distill[cpu]` or `distill[gpu]` to measure inside vLLM."
+    )
+    log.warning(note)
+    return "hf", [note]
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return "cpu"
+
+
+def resolve_drafts(cfg: Config, target_tok: Any) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Resolve every `eval.drafts[i].model` and check it speaks the target's vocabulary."""
+    from distill.models.draft import check_same_vocab, load_model_config, load_tokenizer
+    from distill.models.resolve import resolve_model
+
+    if not cfg.eval.drafts:
+        raise InputError("eval.drafts: empty; list at least one {name, model} to measure.")
+    folders, configs = {}, {}
+    for i, d in enumerate(cfg.eval.drafts):
+        key = f"eval.drafts[{i}].model"
+        local = Path(d.model).expanduser()
+        if d.model and not local.exists() and _under(local, cfg.run_dir):
+            raise InputError(
+                f"{key}: draft '{d.name}' folder {local} does not exist. Run `distill train` first (it writes "
+                "draft_init/ and draft/), or point eval.drafts at existing drafts, e.g. "
+                "'eval.drafts=[{name: a, model: path/to/draft}]'."
+            )
+        folder = resolve_model(d.model, key=key)
+        try:
+            tok = load_tokenizer(folder, trust_remote_code=cfg.draft.trust_remote_code)
+        except Exception as exc:
+            raise InputError(f"{key}: cannot load a tokenizer from {folder} ({exc}).") from exc
+        check_same_vocab(target_tok, tok, target_name=str(cfg.target.model), draft_name=str(d.model), key=key)
+        folders[d.name] = folder
+        configs[d.name] = load_model_config(folder, trust_remote_code=cfg.draft.trust_remote_code)
+    return folders, configs
+
+
+def _under(path: Path, parent: Path) -> bool:
+    try:
+        path.resolve().relative_to(parent.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def load_eval_prompts(cfg: Config) -> tuple[list[Any], str]:
+    from distill.prompts.sources import load_prompts, load_split
+
+    e, d = cfg.eval, cfg.data
+    if e.prompts:
+        pset = load_prompts(e.prompts, prompt_field=e.prompt_field, response_field="", key="eval.prompts")
+        return pset.records[: e.num_prompts], e.prompts
+    records, _ = load_split(
+        d.source,
+        "test",
+        val_fraction=d.val_fraction,
+        test_fraction=d.test_fraction,
+        limit=e.num_prompts,
+        prompt_field=d.prompt_field,
+        response_field=d.response_field,
+        key="data.source",
+    )
+    if not records:
+        raise InputError(
+            f"data.source: the test split of '{d.source}' is empty (data.test_fraction={d.test_fraction}). "
+            "Raise data.test_fraction or set eval.prompts to a prompt file."
+        )
+    return records, f"{d.source} (test split)"
+
+
+def tokenize_prompts(records: list[Any], tok: Any, max_prompt_tokens: int) -> tuple[list[list[int]], int]:
+    """Chat-template each prompt into token ids; prompts longer than `max_prompt_tokens` are skipped."""
+    out, skipped = [], 0
+    for rec in records:
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(rec.messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = rec.text
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        out.append(ids)
+    return out, skipped
+
+
+def preflight(cfg: Config) -> Plan:
+    from distill.models.draft import load_model_config, load_tokenizer
+    from distill.models.resolve import resolve_model
+
+    engine, notes = choose_engine(cfg)
+    target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
+    tc = cfg.target.trust_remote_code
+    target_tok = load_tokenizer(target_dir, trust_remote_code=tc)
+    target_config = load_model_config(target_dir, trust_remote_code=tc)
+    drafts, draft_configs = resolve_drafts(cfg, target_tok)
+    records, source = load_eval_prompts(cfg)
+    prompts, skipped = tokenize_prompts(records, target_tok, cfg.data.max_prompt_tokens)
+    if not prompts:
+        raise InputError(
+            f"eval.prompts: all {len(records)} prompts are longer than data.max_prompt_tokens="
+            f"{cfg.data.max_prompt_tokens}; raise it or use shorter prompts."
+        )
+    max_model_len = max(map(len, prompts)) + cfg.eval.max_tokens + max([*cfg.eval.k, cfg.eval.ngram_k]) + 8
+    limit = int(getattr(target_config, "max_position_embeddings", 0) or 0)
+    if limit and max_model_len > limit:
+        raise InputError(
+            f"eval.max_tokens: prompts ({max(map(len, prompts))} tokens) + {cfg.eval.max_tokens} new "
+            f"tokens exceed the target's {limit} positions; lower eval.max_tokens or "
+            "data.max_prompt_tokens."
+        )
+    if target_tok.eos_token_id is None:
+        raise InputError(f"target.model: the tokenizer of {target_dir} has no eos token; eval stops at EOS.")
+    gen_eos = getattr(target_config, "eos_token_id", None)
+    stop_ids = sorted(
+        {
+            int(x)
+            for x in [target_tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])]
+            if x is not None
+        }
+    )
+    return Plan(
+        engine=engine,
+        device=_device(),
+        dtype=cfg.eval.dtype or cfg.target.dtype,
+        target_dir=target_dir,
+        target_config=target_config,
+        eos_token_id=int(target_tok.eos_token_id),
+        stop_token_ids=stop_ids,
+        drafts=drafts,
+        draft_configs=draft_configs,
+        prompts=prompts,
+        prompt_source=source,
+        skipped_prompts=skipped,
+        max_model_len=max_model_len,
+        notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Job and engines
+
+
+def build_job(cfg: Config, plan: Plan, partial_path: Path | None) -> dict[str, Any]:
+    e = cfg.eval
+    ngram_k = (e.ngram_k or max(e.k)) if e.ngram else None
+    return {
+        "kind": "speculate",
+        "target": str(plan.target_dir),
+        "dtype": plan.dtype,
+        "trust_remote_code": cfg.target.trust_remote_code,
+        "prompts": plan.prompts,
+        "max_tokens": e.max_tokens,
+        "eos_token_id": plan.eos_token_id,
+        "stop_token_ids": plan.stop_token_ids,
+        "max_model_len": plan.max_model_len,
+        "configs": jobs.build_configs(
+            drafts=[(n, str(p)) for n, p in plan.drafts.items()],
+            ks=list(e.k),
+            temperatures=list(e.temperatures),
+            draft_sample_methods=list(e.draft_sample_methods),
+            ngram_k=ngram_k,
+        ),
+        "repeats": e.repeats,
+        "seed": cfg.run.seed,
+        "rejection_sample_method": e.rejection_sample_method,
+        "ngram_prompt_lookup_min": e.ngram_prompt_lookup_min,
+        "ngram_prompt_lookup_max": e.ngram_prompt_lookup_max,
+        "ngram_min": e.ngram_prompt_lookup_min,
+        "ngram_max": e.ngram_prompt_lookup_max,  # reference engine's names
+        "max_num_seqs": e.max_num_seqs,
+        "tensor_parallel_size": e.tensor_parallel_size,
+        "enforce_eager": e.enforce_eager,
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+        "device": plan.device,
+        "partial_path": str(partial_path) if partial_path else None,
+    }
+
+
+def worker_env(cfg: Config, device: str) -> dict[str, str]:
+    if device != "cpu":
+        return {}
+    return {
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(cfg.eval.cpu_reserved_cores),
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.eval.cpu_kvcache_gib),
+    }
+
+
+def run_engine(cfg: Config, plan: Plan, out_dir: Path) -> tuple[dict[str, Any], str | None]:
+    """(engine output, error). On a crash or timeout the output holds the configurations that finished."""
+    partial = out_dir / "partial.json"
+    job = build_job(cfg, plan, partial)
+    if plan.engine == "hf":
+        from distill.evaluate.reference import run_reference_job
+
+        try:
+            return {"engine": "hf", "complete": True, **run_reference_job(job)}, None
+        except (InputError, RuntimeFailure):
+            raise
+        except Exception as exc:
+            raise RuntimeFailure(f"reference engine failed: {type(exc).__name__}: {exc}") from exc
+    from distill.utils.subproc import run_worker
+
+    if partial.exists():
+        partial.unlink()
+    try:
+        out = run_worker(
+            job,
+            log_path=out_dir / "worker.log",
+            timeout_s=cfg.eval.timeout_s,
+            env=worker_env(cfg, plan.device),
+            what="vLLM eval worker",
+        )
+        return out, None
+    except RuntimeFailure as exc:
+        got = read_json(partial) if partial.is_file() else {"results": []}
+        got["complete"] = False
+        return got, str(exc)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Report
+
+
+def _analytic(cfg: Config, plan: Plan, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Cost ratios c, the acceptance estimated from the distributions (Σ min(p, q)) and the analytic speedups
+    beside the measured ones."""
+    try:
+        from distill.evaluate import analytic
+    except ImportError as exc:
+        return {"available": False, "note": f"distill.evaluate.analytic unavailable ({exc})"}
+    if cfg.eval.cost_ratio is not None:
+        ratios = {name: float(cfg.eval.cost_ratio) for name in plan.drafts}
+        how = "eval.cost_ratio (configured)"
+    else:
+        ratios = {
+            name: float(analytic.measure_cost_ratio(plan.target_dir, folder, dtype=plan.dtype))
+            for name, folder in plan.drafts.items()
+        }
+        how = "measured: PyTorch KV-cached decode step time, draft / target, batch 1"
+    report.add_analytic(rows, analytic.expected_speedup, ratios)
+    estimates = _estimated_acceptance(cfg, plan, rows, analytic)
+    report.add_estimates(rows, analytic.expected_speedup, ratios, estimates)
+    return {
+        "available": True,
+        "cost_ratio": ratios,
+        "cost_ratio_source": how,
+        "formula": "speedup = (1 - a^(k+1)) / ((1 - a)(1 + k c)); analytic_speedup uses the measured "
+        "acceptance a, estimated_speedup the acceptance estimated from the distributions",
+        "estimated_acceptance": [
+            {"name": n, "temperature": t, "draft_sample_method": m, **v} for (n, t, m), v in estimates.items()
+        ],
+        "estimate_prompts": min(cfg.eval.analytic_prompts, len(plan.prompts)),
+    }
+
+
+def _estimated_acceptance(
+    cfg: Config, plan: Plan, rows: list[dict[str, Any]], analytic: Any
+) -> dict[tuple[str, float, str], dict[str, Any]]:
+    """α = Σ min(p, q) on the target's greedy continuations of the first `eval.analytic_prompts` prompts."""
+    n = min(cfg.eval.analytic_prompts, len(plan.prompts))
+    if n == 0:
+        return {}
+    keys = sorted(
+        {
+            (r["name"], float(r["temperature"]), r.get("draft_sample_method") or "greedy")
+            for r in rows
+            if r.get("method") == "draft_model"
+        }
+    )
+    eos = plan.eos_token_id
+    out = {}
+    for name, temp, dsm in keys:
+        est = analytic.estimate_acceptance(
+            plan.target_dir,
+            plan.drafts[name],
+            plan.prompts[:n],
+            max_tokens=min(cfg.eval.max_tokens, 64),
+            eos_token_id=eos,
+            temperature=temp,
+            draft_sample_method=dsm,
+            dtype=plan.dtype,
+        )
+        out[(name, temp, dsm)] = {k: est[k] for k in ("alpha", "top1_agreement", "num_positions") if k in est}
+    return out
+
+
+def _memory(plan: Plan, batch: int) -> dict[str, Any]:
+    from distill.evaluate.memory import estimate
+
+    return estimate(
+        (plan.target_dir, plan.target_config),
+        {n: (plan.drafts[n], plan.draft_configs[n]) for n in plan.drafts},
+        dtype=plan.dtype,
+        max_model_len=plan.max_model_len,
+        batch=batch,
+    )
+
+
+def assemble(
+    cfg: Config, plan: Plan, out: dict[str, Any], error: str | None, *, analytic: bool = True
+) -> dict[str, Any]:
+    results = list(out.get("results") or [])
+    failed = [
+        f"{r['name']} k={r.get('k')} T={r.get('temperature')}: {r['error']}"
+        for r in results
+        if r.get("error")
+    ]
+    expected = len(build_job(cfg, plan, None)["configs"])
+    complete = bool(out.get("complete")) and error is None and not failed and len(results) == expected
+    if error is None and not complete:
+        error = (
+            (f"{len(failed)} configuration(s) failed: " + "; ".join(failed))
+            if failed
+            else (f"only {len(results)} of {expected} configurations finished")
+        )
+    rows = report.build_rows(results, dtype=plan.dtype)
+    analytic_info = _analytic(cfg, plan, rows) if analytic and rows else {"available": False}
+    recs = report.recommend(rows, min_acceptance=cfg.eval.min_acceptance)
+    e = cfg.eval
+    settings = {
+        "max_num_seqs": e.max_num_seqs,
+        "repeats": e.repeats,
+        "draft_sample_methods": e.draft_sample_methods,
+        "rejection_sample_method": e.rejection_sample_method,
+        "enforce_eager": e.enforce_eager,
+        "tensor_parallel_size": e.tensor_parallel_size,
+        "seed": cfg.run.seed,
+        "ngram_prompt_lookup": [e.ngram_prompt_lookup_min, e.ngram_prompt_lookup_max],
+        "vllm_env": out.get("vllm_env") or worker_env(cfg, plan.device),
+        "plugin": out.get("plugin"),
+    }
+    return {
+        "engine": out.get("engine", plan.engine),
+        "engine_version": out.get("engine_version"),
+        "device": out.get("device", plan.device),
+        "dtype": plan.dtype,
+        "target": str(cfg.target.model),
+        "prompts": {
+            "source": plan.prompt_source,
+            "count": len(plan.prompts),
+            "skipped_too_long": plan.skipped_prompts,
+        },
+        "max_tokens": e.max_tokens,
+        "complete": complete,
+        "error": error,
+        "settings": settings,
+        "results": rows,
+        "recommendation": _headline(recs),
+        "recommendations": recs,
+        "analytic": analytic_info,
+        "memory": _memory(plan, min(e.max_num_seqs, len(plan.prompts))),
+        "notes": plan.notes + plugin_warnings(out, results) + load_warnings(out, results),
+    }
+
+
+def plugin_warnings(out: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
+    """Speculation at T > 0 on vLLM CPU is only right with distill's plugin loaded in the engine processes."""
+    plugin = out.get("plugin") or {}
+    hot = any(r.get("method") and float(r.get("temperature", 0)) > 0 for r in results)
+    if out.get("engine") != "vllm" or out.get("device") != "cpu" or not hot:
+        return []
+    if plugin.get("patched") and not plugin.get("entry_point"):
+        msg = (
+            "WARNING: the distill vLLM plugin is not registered as an entry point (vllm.general_plugins: "
+            "distill_cpu_fixes = distill.vllm_worker.plugin:register); reinstall distill (`pip install -e .`). "
+            "vLLM's engine processes ran with the broken CPU expand kernel (vLLM issue #55005): speculative "
+            "results at temperature > 0 are wrong."
+        )
+        log.warning(msg)
+        return [msg]
+    return []
+
+
+def load_warnings(out: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
+    """Flag timings taken while the machine was busier than its cores (other processes skew tokens/s)."""
+    cores = out.get("cpu_count") or os.cpu_count() or 1
+    loads = [x for r in results for x in (r.get("load_avg") or []) if x is not None]
+    if not loads or max(loads) <= cores:
+        return []
+    msg = (
+        f"WARNING: the machine was busy during the timed passes (1-min load average up to {max(loads):.1f} on "
+        f"{cores} cores, {min(loads):.1f} at least): other processes shared the cores, so tokens/s and speedups "
+        "are skewed. Rerun on an idle machine before deciding."
+    )
+    log.warning(msg)
+    return [msg]
+
+
+def _headline(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The contract's single `recommendation`: the best deployable one, else the lowest temperature's."""
+    if not recs:
+        return None
+    deployable = [r for r in recs if r["deploy"]]
+    return max(deployable, key=lambda r: r["speedup"]) if deployable else recs[0]
+
+
+def write_outputs(cfg: Config, rep: dict[str, Any], out: dict[str, Any], out_dir: Path) -> None:
+    atomic_write_json(out_dir / "raw_results.json", out)
+    (out_dir / "partial.json").unlink(missing_ok=True)  # raw_results.json now holds the same
+    atomic_write_json(out_dir / "report.json", rep)
+    atomic_write_text(out_dir / "report.md", report.markdown(rep))
+    if cfg.eval.plots and rep["results"]:
+        from distill.evaluate import plots
+
+        plots.plot_per_position(rep["results"], out_dir / "acceptance_per_position.png")
+        plots.plot_speedup(rep["results"], out_dir / "speedup_vs_k.png")
+
+
+def run(cfg: Config) -> int | None:
+    plan = preflight(cfg)  # raises InputError before anything is written
+    rundir.start_stage(cfg, "eval")
+    out_dir = cfg.run_dir / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log.info(
+        "eval: %d prompts, %d configurations on %s (%s, %s)",
+        len(plan.prompts),
+        len(build_job(cfg, plan, None)["configs"]),
+        plan.engine,
+        plan.device,
+        plan.dtype,
+    )
+    out, error = run_engine(cfg, plan, out_dir)
+    rep = assemble(cfg, plan, out, error)
+    write_outputs(cfg, rep, out, out_dir)
+    if not rep["complete"]:
+        raise RuntimeFailure(
+            f"eval incomplete — {rep['error']}\nPartial report (marked incomplete): {out_dir / 'report.json'}"
+        )
+    rundir.mark_complete(cfg, "eval", {"recommendation": rep["recommendation"], "engine": rep["engine"]})
+    for rec in rep["recommendations"]:
+        (log.info if rec["deploy"] else log.warning)("T=%s: %s", rec["temperature"], rec["reason"])
+    log.info("eval report: %s", out_dir / "report.md")
+    return 0

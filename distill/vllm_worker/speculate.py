@@ -1,0 +1,252 @@
+"""Worker job "speculate": time vLLM with and without speculative decoding on fixed token-id prompts.
+
+The job dict is documented in `distill/evaluate/jobs.py` (the eval stage builds it; the reference engine takes
+the same dict). Configurations sharing an engine (same method, draft, k and draft sampling; only the temperature
+differs) run on one engine, started once; its start-up time is reported separately from the timed passes.
+Each temperature gets a warm-up pass, then `repeats` timed passes over all prompts; the speculative counters
+are differences of `LLM.get_metrics()` around the timed passes only. After each engine the results so far are
+written to `job["partial_path"]` so a crash or a timeout keeps them.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+from distill.evaluate.metrics import SpecCounters, counters_delta, extract_spec_counters, sum_counters
+from distill.utils.fs import atomic_write_json
+
+log = logging.getLogger("distill.vllm_worker.speculate")
+
+ENGINE_KEYS = ("method", "draft", "k", "draft_sample_method")
+
+
+def engine_groups(configs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Group configurations that can share one engine (they differ only in temperature), in job order."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for c in configs:
+        groups.setdefault(tuple(c.get(key) for key in ENGINE_KEYS), []).append(c)
+    return list(groups.values())
+
+
+def speculative_config(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM `speculative_config` for one configuration (None = no speculation)."""
+    method = cfg.get("method")
+    if method is None:
+        return None
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": int(cfg["k"])}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = int(job.get("ngram_prompt_lookup_min", 2))
+        spec["prompt_lookup_max"] = int(job.get("ngram_prompt_lookup_max", 5))
+        return spec
+    spec["model"] = cfg["draft"]
+    spec["draft_sample_method"] = cfg.get("draft_sample_method") or "greedy"
+    spec["rejection_sample_method"] = job.get("rejection_sample_method", "standard")
+    return spec
+
+
+def engine_kwargs(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "model": job["target"],
+        "dtype": job.get("dtype", "float32"),
+        "seed": int(job.get("seed", 0)),
+        "max_model_len": int(job["max_model_len"]),
+        "max_num_seqs": int(job.get("max_num_seqs", 8)),
+        "enforce_eager": bool(job.get("enforce_eager", True)),
+        "tensor_parallel_size": int(job.get("tensor_parallel_size", 1)),
+        "trust_remote_code": bool(job.get("trust_remote_code", False)),
+        "disable_log_stats": False,  # get_metrics() is empty without it
+    }
+    if job.get("device") == "cuda":
+        kw["gpu_memory_utilization"] = float(job.get("gpu_memory_utilization", 0.85))
+    spec = speculative_config(cfg, job)
+    if spec is not None:
+        kw["speculative_config"] = spec
+    return kw
+
+
+def empty_result(cfg: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+    k = int(cfg.get("k") or 0)
+    return {
+        "name": cfg["name"],
+        "method": cfg.get("method"),
+        "draft": cfg.get("draft"),
+        "k": k,
+        "temperature": float(cfg["temperature"]),
+        "draft_sample_method": cfg.get("draft_sample_method"),
+        "startup_s": None,
+        "wall_s": [],
+        "load_avg": [],
+        "output_tokens": 0,
+        "output_tokens_per_pass": [],
+        "num_drafts": 0,
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+        "accepted_per_pos": [0] * k,
+        "texts": [],
+        "token_ids": [],
+        "error": error,
+    }
+
+
+def _sampling_params(job: dict[str, Any], temperature: float, n_prompts: int) -> list[Any]:
+    from vllm import SamplingParams
+
+    eos = job.get("eos_token_id")
+    stop = [int(e) for e in (job.get("stop_token_ids") or [eos]) if e is not None]
+    seed = int(job.get("seed", 0))
+    # One seed per prompt: the same sampling work in every repeat and every configuration.
+    return [
+        SamplingParams(
+            temperature=temperature, max_tokens=int(job["max_tokens"]), stop_token_ids=stop, seed=seed + i
+        )
+        for i in range(n_prompts)
+    ]
+
+
+def _generate(llm: Any, prompts: list[list[int]], params: list[Any]) -> list[Any]:
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    return llm.generate(inputs, params, use_tqdm=False)
+
+
+def measure_temperature(
+    llm: Any, cfg: dict[str, Any], job: dict[str, Any], clock: Callable[[], float] = time.perf_counter
+) -> dict[str, Any]:
+    """Warm-up pass, then `repeats` timed passes; counters summed over the timed passes."""
+    prompts = job["prompts"]
+    params = _sampling_params(job, float(cfg["temperature"]), len(prompts))
+    warm = min(len(prompts), int(job.get("max_num_seqs", 8)))
+    _generate(llm, prompts[:warm], params[:warm])
+    k = int(cfg.get("k") or 0)
+    res = empty_result(cfg)
+    deltas: list[SpecCounters] = []
+    for _ in range(int(job.get("repeats", 1))):
+        before = extract_spec_counters(llm.get_metrics())
+        res["load_avg"].append(_load_avg())
+        t0 = clock()
+        outs = _generate(llm, prompts, params)
+        res["wall_s"].append(clock() - t0)
+        deltas.append(counters_delta(before, extract_spec_counters(llm.get_metrics()), k))
+        res["output_tokens_per_pass"].append(sum(len(o.outputs[0].token_ids) for o in outs))
+    res["output_tokens"] = res["output_tokens_per_pass"][0]
+    res["texts"] = [o.outputs[0].text for o in outs]
+    res["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+    total = sum_counters(deltas, k)
+    res.update(
+        num_drafts=total.num_drafts,
+        num_draft_tokens=total.num_draft_tokens,
+        num_accepted_tokens=total.num_accepted_tokens,
+        accepted_per_pos=total.accepted_per_pos,
+    )
+    return res
+
+
+def _load_avg() -> float | None:
+    """1-minute load average: timings taken while other processes hold the cores are not comparable."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _shutdown(llm: Any) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # best effort: the process group is killed at the end anyway
+        log.debug("engine shutdown: %s", exc)
+
+
+def run_group(group: list[dict[str, Any]], job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Start one engine for `group`, measure each temperature; errors become per-config `error` strings."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**engine_kwargs(group[0], job))
+    except Exception as exc:
+        log.exception("engine start failed for %s", group[0]["name"])
+        return [empty_result(c, f"engine start failed: {type(exc).__name__}: {exc}") for c in group]
+    startup = time.perf_counter() - t0
+    out = []
+    try:
+        for cfg in group:
+            try:
+                res = measure_temperature(llm, cfg, job)
+            except Exception as exc:
+                log.exception("measurement failed for %s at T=%s", cfg["name"], cfg["temperature"])
+                res = empty_result(cfg, f"{type(exc).__name__}: {exc}")
+            res["startup_s"] = startup
+            out.append(res)
+    finally:
+        _shutdown(llm)
+        del llm
+        gc.collect()
+    return out
+
+
+PLUGIN_ENTRY_POINT = "distill.vllm_worker.plugin:register"
+
+
+def plugin_entry_point_registered() -> bool:
+    """vLLM runs its engine in spawned processes on CPU: only the installed entry point reaches them."""
+    from importlib.metadata import entry_points
+
+    eps = entry_points(group="vllm.general_plugins")
+    return any(ep.value.replace(" ", "") == PLUGIN_ENTRY_POINT for ep in eps)
+
+
+def environment(job: dict[str, Any]) -> dict[str, Any]:
+    import vllm
+
+    from distill.vllm_worker import plugin
+
+    return {
+        "engine": "vllm",
+        "engine_version": getattr(vllm, "__version__", "unknown"),
+        "device": job.get("device", "cpu"),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "vllm_env": {
+            k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU") or k == "OMP_NUM_THREADS"
+        },
+        "plugin": {**plugin.status(), "entry_point": plugin_entry_point_registered()},
+    }
+
+
+def _write_partial(job: dict[str, Any], payload: dict[str, Any]) -> None:
+    path = job.get("partial_path")
+    if path:
+        atomic_write_json(path, payload)
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Run every configuration of the job; return {"results": [...], "complete": True, engine facts...}."""
+    from distill.vllm_worker import plugin
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The entry point loads the plugin in vLLM's own processes; registering here as well covers the engine
+    # processes forked from this one even when the package's entry points are stale.
+    plugin.register()
+    payload: dict[str, Any] = {**environment(job), "results": [], "complete": False}
+    _write_partial(job, payload)
+    groups = engine_groups(job["configs"])
+    for i, group in enumerate(groups):
+        log.info(
+            "engine %d/%d: %s k=%s %s",
+            i + 1,
+            len(groups),
+            group[0]["name"],
+            group[0].get("k"),
+            group[0].get("draft_sample_method") or "",
+        )
+        payload["results"].extend(run_group(group, job))
+        _write_partial(job, payload)
+    payload["complete"] = True
+    payload["plugin"] = {**plugin.status(), "entry_point": plugin_entry_point_registered()}
+    return payload

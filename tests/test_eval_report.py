@@ -1,0 +1,215 @@
+"""Report math on canned engine results: tokens/s, speedup, acceptance, greedy match, deploy gate, markdown."""
+
+from __future__ import annotations
+
+import pytest
+
+from distill.evaluate import jobs, report
+
+
+def res(
+    name,
+    *,
+    method="draft_model",
+    k=2,
+    temp=0.0,
+    walls=(1.0, 2.0, 1.0),
+    tokens=100,
+    drafts=0,
+    draft_tokens=0,
+    accepted=0,
+    per_pos=None,
+    texts=("a", "b"),
+    ids=((1, 2), (3, 4)),
+    dsm="greedy",
+    error=None,
+):
+    return {
+        "name": name,
+        "method": method,
+        "draft": None if method != "draft_model" else f"/m/{name}",
+        "k": k,
+        "temperature": temp,
+        "draft_sample_method": dsm if method == "draft_model" else None,
+        "startup_s": 20.0,
+        "wall_s": list(walls),
+        "output_tokens": tokens,
+        "output_tokens_per_pass": [tokens] * len(walls),
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "accepted_per_pos": per_pos if per_pos is not None else [0] * k,
+        "texts": list(texts),
+        "token_ids": [list(i) for i in ids],
+        "error": error,
+    }
+
+
+def base(temp=0.0, walls=(2.0, 2.0, 4.0)):
+    return res("no_spec", method=None, k=0, temp=temp, walls=walls)
+
+
+def test_tokens_per_s_is_the_median_over_passes():
+    assert report.tokens_per_s(res("x", walls=(1.0, 2.0, 4.0))) == pytest.approx(50.0)
+    assert report.tokens_per_s(res("x", walls=())) is None
+
+
+def test_speedup_acceptance_and_greedy_match():
+    rows = report.build_rows(
+        [
+            base(),
+            res(
+                "d",
+                walls=(1.0, 1.0, 1.0),
+                drafts=10,
+                draft_tokens=20,
+                accepted=15,
+                per_pos=[9, 6],
+                texts=("a", "c"),
+                ids=((1, 2), (1, 5)),
+            ),
+        ],
+        dtype="float32",
+    )
+    nospec, d = rows
+    assert nospec["speedup"] == pytest.approx(1.0) and nospec["tokens_per_s"] == pytest.approx(50.0)
+    assert d["speedup"] == pytest.approx(2.0)
+    assert d["acceptance_rate"] == pytest.approx(0.75)
+    assert d["mean_acceptance_length"] == pytest.approx(2.5)
+    assert d["per_position_acceptance"] == pytest.approx([0.9, 0.6])
+    assert d["greedy_match"] == pytest.approx(0.5)
+    assert d["mean_common_prefix"] == pytest.approx(1.0)  # prefixes 2 and 0
+    assert d["dtype"] == "float32"
+    assert "texts" not in d and "token_ids" not in d
+
+
+def test_speedup_uses_the_same_temperature_baseline_and_no_greedy_match_above_zero():
+    rows = report.build_rows(
+        [
+            base(0.0, walls=(1.0,)),
+            base(1.0, walls=(4.0,)),
+            res("d", temp=1.0, walls=(2.0,), drafts=1, draft_tokens=2, accepted=1),
+        ],
+        dtype="float32",
+    )
+    assert rows[2]["speedup"] == pytest.approx(2.0)
+    assert "greedy_match" not in rows[2]
+
+
+def test_missing_baseline_gives_no_speedup():
+    rows = report.build_rows([res("d")], dtype="float32")
+    assert rows[0]["speedup"] is None
+
+
+def test_recommendation_picks_fastest_and_gates_deploy():
+    rows = report.build_rows(
+        [
+            base(walls=(2.0,)),
+            res("good", k=2, walls=(1.0,), drafts=10, draft_tokens=20, accepted=16),  # 2.0x, 0.8
+            res("good", k=4, walls=(1.25,), drafts=10, draft_tokens=40, accepted=24),  # 1.6x
+        ],
+        dtype="float32",
+    )
+    (rec,) = report.recommend(rows, min_acceptance=0.5)
+    assert rec["name"] == "good" and rec["k"] == 2 and rec["deploy"] is True
+    assert rec["speedup"] == pytest.approx(2.0)
+
+
+def test_slower_than_none_is_not_deployable():
+    rows = report.build_rows(
+        [base(walls=(1.0,)), res("slow", walls=(2.0,), drafts=10, draft_tokens=20, accepted=18)],
+        dtype="float32",
+    )
+    (rec,) = report.recommend(rows, min_acceptance=0.5)
+    assert rec["deploy"] is False and report.SLOWER_WARNING in rec["warning"]
+
+
+def test_low_acceptance_is_not_deployable_even_if_faster():
+    rows = report.build_rows(
+        [base(walls=(2.0,)), res("lucky", walls=(1.0,), drafts=10, draft_tokens=20, accepted=4)],
+        dtype="float32",
+    )
+    (rec,) = report.recommend(rows, min_acceptance=0.5)
+    assert rec["deploy"] is False and "acceptance 0.20 < 0.50" in rec["warning"]
+
+
+def test_a_deployable_config_beats_a_faster_gated_one():
+    rows = report.build_rows(
+        [
+            base(walls=(2.0,)),
+            res("fast_but_rarely_right", walls=(0.5,), drafts=10, draft_tokens=20, accepted=2),  # 4x, 0.1
+            res("sound", walls=(1.0,), drafts=10, draft_tokens=20, accepted=16),  # 2x, 0.8
+        ],
+        dtype="float32",
+    )
+    (rec,) = report.recommend(rows, min_acceptance=0.5)
+    assert rec["name"] == "sound" and rec["deploy"] is True
+
+
+def test_errored_configs_are_never_recommended():
+    rows = report.build_rows(
+        [
+            base(walls=(2.0,)),
+            res("broken", walls=(0.1,), drafts=1, draft_tokens=2, accepted=2, error="engine start failed"),
+        ],
+        dtype="float32",
+    )
+    (rec,) = report.recommend(rows, min_acceptance=0.5)
+    assert rec["name"] is None and rec["deploy"] is False
+
+
+def test_analytic_speedup_beside_measured():
+    rows = report.build_rows(
+        [base(walls=(2.0,)), res("d", k=2, walls=(1.0,), drafts=10, draft_tokens=20, accepted=10)],
+        dtype="float32",
+    )
+
+    def formula(alpha, k, c):
+        return (1 - alpha ** (k + 1)) / ((1 - alpha) * (1 + k * c))
+
+    report.add_analytic(rows, formula, {"d": 0.25})
+    assert rows[1]["analytic_speedup"] == pytest.approx(1.75 / 1.5)
+    assert "analytic_speedup" not in rows[0]
+
+
+def test_markdown_has_one_table_per_temperature_and_flags_incomplete():
+    rows = report.build_rows(
+        [base(0.0), base(1.0), res("d", temp=1.0, drafts=1, draft_tokens=2, accepted=1)], dtype="float32"
+    )
+    rep = {
+        "target": "t",
+        "complete": False,
+        "error": "worker timed out",
+        "engine": "vllm",
+        "engine_version": "0",
+        "device": "cpu",
+        "dtype": "float32",
+        "prompts": {"source": "p", "count": 2},
+        "max_tokens": 8,
+        "settings": {
+            "max_num_seqs": 8,
+            "repeats": 3,
+            "draft_sample_methods": ["greedy"],
+            "rejection_sample_method": "standard",
+            "vllm_env": {},
+        },
+        "results": rows,
+        "recommendations": report.recommend(rows, min_acceptance=0.5),
+    }
+    md = report.markdown(rep)
+    assert md.count("## Temperature") == 2 and "INCOMPLETE" in md and "worker timed out" in md
+
+
+def test_build_configs_sweeps_drafting_only_above_zero():
+    cfgs = jobs.build_configs(
+        drafts=[("a", "/a")],
+        ks=[1, 2],
+        temperatures=[0.0, 0.7],
+        draft_sample_methods=["greedy", "probabilistic"],
+        ngram_k=2,
+    )
+    keys = {(c["name"], c["k"], c["temperature"], c["draft_sample_method"]) for c in cfgs}
+    assert ("no_spec", 0, 0.0, None) in keys and ("ngram", 2, 0.7, None) in keys
+    assert ("a", 1, 0.0, "greedy") in keys and ("a", 1, 0.7, "probabilistic") in keys
+    assert ("a", 1, 0.0, "probabilistic") not in keys
+    assert len(cfgs) == 2 + 2 + 2 * (2 + 1)

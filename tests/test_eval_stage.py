@@ -1,0 +1,259 @@
+"""`distill eval` end to end with a canned engine: preflight errors (exit 2, nothing written), the report files,
+the vLLM → reference fallback, and partial results after a worker timeout (exit 1, marked incomplete)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from distill.cli import main
+from distill.errors import RuntimeFailure
+
+CONTRACT_TOP = {
+    "engine",
+    "engine_version",
+    "device",
+    "target",
+    "prompts",
+    "max_tokens",
+    "results",
+    "recommendation",
+}
+CONTRACT_SPEC = {
+    "name",
+    "method",
+    "draft",
+    "k",
+    "temperature",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "per_position_acceptance",
+    "tokens_per_s",
+    "speedup",
+    "dtype",
+    "greedy_match",
+}
+
+
+def fake_results(job, *, n=None):
+    """Engine output for a job: drafts named 'good' accept 90% and run 2x faster, others 10% and slower."""
+    out = []
+    for c in job["configs"][:n]:
+        k, good = c["k"], c["name"] in ("good", "no_spec")
+        drafts = 50 if c["method"] else 0
+        accepted = int(0.9 * drafts * k) if good else int(0.1 * drafts * k)
+        wall = 1.0 if c["method"] is None else (0.5 if good else 1.5)
+        out.append(
+            {
+                **c,
+                "startup_s": 12.0,
+                "wall_s": [wall] * job["repeats"],
+                "output_tokens": 200,
+                "output_tokens_per_pass": [200] * job["repeats"],
+                "num_drafts": drafts,
+                "num_draft_tokens": drafts * k,
+                "num_accepted_tokens": accepted,
+                "accepted_per_pos": [accepted // k] * k if k else [],
+                "texts": ["x"] * len(job["prompts"]),
+                "token_ids": [[1]] * len(job["prompts"]),
+                "error": None,
+            }
+        )
+    return out
+
+
+@pytest.fixture()
+def cfg_args(tiny_config_overrides, tiny_target_dir, tmp_path):
+    """configs/tiny.yaml with the target also used as the draft 'good' (same vocabulary), small sweep."""
+    good = tmp_path / "good"
+    shutil.copytree(tiny_target_dir, good)
+    return [
+        "-c",
+        "configs/tiny.yaml",
+        *tiny_config_overrides,
+        f"eval.drafts=[{{name: good, model: {good}}}]",
+        "eval.k=[1,2]",
+        "eval.repeats=2",
+        "eval.num_prompts=4",
+        "eval.cost_ratio=0.2",
+        "eval.analytic_prompts=0",
+        "data.test_fraction=0.5",
+    ]
+
+
+def run_dir(args):
+    return Path(next(a.split("=", 1)[1] for a in args if a.startswith("run.dir=")))
+
+
+@pytest.fixture()
+def fake_worker(monkeypatch):
+    calls = []
+
+    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+        calls.append({"job": job, "env": env, "timeout_s": timeout_s})
+        return {
+            "engine": "vllm",
+            "engine_version": "0.32.0",
+            "device": "cpu",
+            "complete": True,
+            "results": fake_results(job),
+            "plugin": {"patched": True},
+        }
+
+    monkeypatch.setattr("distill.utils.subproc.run_worker", run_worker)
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    return calls
+
+
+def test_eval_writes_contract_report(cfg_args, fake_worker):
+    assert main(["eval", *cfg_args, "eval.temperatures=[0.0,1.0]", "eval.cpu_reserved_cores=0"]) == 0
+    out = run_dir(cfg_args) / "eval"
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep) >= CONTRACT_TOP and rep["complete"] is True
+    spec = [r for r in rep["results"] if r["method"] == "draft_model" and r["temperature"] == 0.0]
+    assert spec and all(set(r) >= CONTRACT_SPEC for r in spec)
+    assert all(r["speedup"] == pytest.approx(2.0) for r in spec)
+    assert rep["recommendation"]["deploy"] is True and rep["recommendation"]["name"] == "good"
+    assert {r["temperature"] for r in rep["recommendations"]} == {0.0, 1.0}
+    assert (out / "report.md").read_text().count("## Temperature") == 2
+    assert (out / "acceptance_per_position.png").stat().st_size > 0 and (out / "speedup_vs_k.png").is_file()
+    assert rep["memory"]["gib"]["target weights"] > 0
+    assert rep["settings"]["vllm_env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    job = fake_worker[0]["job"]
+    assert job["prompts"] and all(isinstance(t, int) for t in job["prompts"][0])
+    # both drafting methods at T=1, greedy only at T=0; ngram at the largest k
+    dsm = {
+        (c["temperature"], c["draft_sample_method"]) for c in job["configs"] if c["method"] == "draft_model"
+    }
+    assert dsm == {(0.0, "greedy"), (1.0, "greedy"), (1.0, "probabilistic")}
+    assert any(c["method"] == "ngram" and c["k"] == 2 for c in job["configs"])
+    assert json.loads((run_dir(cfg_args) / "stages" / "eval.json").read_text())["stage"] == "eval"
+
+
+def test_bad_draft_is_flagged_do_not_deploy(cfg_args, fake_worker, tiny_target_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_target_dir, bad)
+    args = [a for a in cfg_args if not a.startswith("eval.drafts=")] + [
+        f"eval.drafts=[{{name: bad, model: {bad}}}]",
+        "eval.ngram=false",
+    ]
+    assert main(["eval", *args]) == 0
+    rep = json.loads((run_dir(args) / "eval" / "report.json").read_text())
+    assert rep["recommendation"]["deploy"] is False
+    assert "slower than none" in rep["recommendation"]["warning"]
+
+
+def test_timeout_keeps_partial_results_marked_incomplete(cfg_args, monkeypatch):
+    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+        Path(job["partial_path"]).write_text(
+            json.dumps({"engine": "vllm", "results": fake_results(job, n=2), "complete": False})
+        )
+        raise RuntimeFailure(f"{what} did not finish within {timeout_s:.0f} s and was stopped.")
+
+    monkeypatch.setattr("distill.utils.subproc.run_worker", run_worker)
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    assert main(["eval", *cfg_args, "eval.timeout_s=5"]) == 1
+    rd = run_dir(cfg_args)
+    rep = json.loads((rd / "eval" / "report.json").read_text())
+    assert rep["complete"] is False and "did not finish" in rep["error"]
+    assert len(rep["results"]) == 2
+    assert "INCOMPLETE" in (rd / "eval" / "report.md").read_text()
+    assert not (rd / "stages" / "eval.json").exists()
+
+
+def test_auto_falls_back_to_reference_engine_without_vllm(cfg_args, monkeypatch):
+    seen = {}
+
+    def reference(job):
+        seen["job"] = job
+        return {"engine": "hf", "engine_version": "torch", "device": "cpu", "results": fake_results(job)}
+
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: False)
+    monkeypatch.setattr("distill.evaluate.reference.run_reference_job", reference)
+    assert main(["eval", *cfg_args, "eval.engine=auto"]) == 0
+    rep = json.loads((run_dir(cfg_args) / "eval" / "report.json").read_text())
+    assert rep["engine"] == "hf" and rep["complete"] is True and "fell back" in rep["notes"][0]
+    assert {"target", "dtype", "prompts", "max_tokens", "eos_token_id", "configs", "repeats", "seed"} <= set(
+        seen["job"]
+    )
+
+
+def _assert_input_error(args, capsys, *needles):
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, err
+    assert not run_dir(args).exists()  # nothing written
+
+
+def test_missing_draft_folder(cfg_args, capsys, tmp_path):
+    args = [a for a in cfg_args if not a.startswith("eval.drafts=")] + [
+        f"eval.drafts=[{{name: gone, model: {tmp_path / 'nope' / 'draft'}}}]"
+    ]
+    _assert_input_error(args, capsys, "eval.drafts[0].model")
+
+
+def test_default_drafts_missing_before_training(cfg_args, capsys):
+    args = [a for a in cfg_args if not a.startswith("eval.drafts=")]
+    _assert_input_error(args, capsys, "eval.drafts[0].model", "distill train")
+
+
+def test_draft_with_other_vocabulary(cfg_args, capsys, tmp_path):
+    from distill.models.tiny import build_tiny_tokenizer, save_tiny_model
+
+    other = save_tiny_model(
+        tmp_path / "other", seed=1, tokenizer=build_tiny_tokenizer(vocab_size=600), num_layers=1
+    )
+    args = [a for a in cfg_args if not a.startswith("eval.drafts=")] + [
+        f"eval.drafts=[{{name: o, model: {other}}}]"
+    ]
+    _assert_input_error(args, capsys, "eval.drafts[0].model", "vocabulary")
+
+
+def test_k_must_be_positive(cfg_args, capsys):
+    _assert_input_error([*cfg_args, "eval.k=[0,2]"], capsys, "eval.k")
+
+
+def test_vllm_missing_names_the_extra(cfg_args, capsys, monkeypatch):
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: False)
+    _assert_input_error([*cfg_args, "eval.engine=vllm"], capsys, "distill[cpu]", "distill[gpu]")
+
+
+def test_plugin_warning_when_entry_point_missing_at_positive_temperature():
+    from distill.evaluate.stage import plugin_warnings
+
+    hot = [{"method": "draft_model", "temperature": 1.0}]
+    out = {"engine": "vllm", "device": "cpu", "plugin": {"patched": True, "entry_point": False}}
+    assert "#55005" in plugin_warnings(out, hot)[0]
+    assert plugin_warnings({**out, "plugin": {"patched": True, "entry_point": True}}, hot) == []
+    assert plugin_warnings(out, [{"method": "draft_model", "temperature": 0.0}]) == []
+
+
+def test_analytic_estimate_beside_measured(cfg_args, fake_worker):
+    """The real analytic module (tiny models): measured c, Σ min(p, q) of a draft equal to the target = 1."""
+    args = [a for a in cfg_args if not a.startswith(("eval.cost_ratio", "eval.analytic_prompts"))]
+    assert (
+        main(
+            ["eval", *args, "eval.analytic_prompts=2", "eval.max_tokens=8", "eval.k=[2]", "eval.ngram=false"]
+        )
+        == 0
+    )
+    rep = json.loads((run_dir(args) / "eval" / "report.json").read_text())
+    assert rep["analytic"]["available"] is True and rep["analytic"]["cost_ratio"]["good"] > 0
+    (row,) = [r for r in rep["results"] if r["method"] == "draft_model"]
+    assert row["estimated_acceptance"] == pytest.approx(1.0, abs=1e-4)
+    assert row["analytic_speedup"] > 0 and row["estimated_speedup"] > 0
+
+
+def test_busy_machine_warning():
+    from distill.evaluate.stage import load_warnings
+
+    assert load_warnings({"cpu_count": 2}, [{"load_avg": [1.0, 1.5]}]) == []
+    (msg,) = load_warnings({"cpu_count": 2}, [{"load_avg": [1.0]}, {"load_avg": [8.5]}])
+    assert "8.5 on 2 cores" in msg

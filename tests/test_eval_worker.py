@@ -1,0 +1,144 @@
+"""The speculate worker's pure parts, with a fake LLM (no vLLM engine): engine grouping, vLLM arguments,
+counter differences around the timed passes, token counting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distill.vllm_worker import speculate
+
+
+@dataclass
+class Metric:
+    name: str
+    value: int = 0
+    values: list | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list
+    text: str
+
+
+@dataclass
+class Output:
+    outputs: list
+
+
+class FakeLLM:
+    """Each generate() call drafts 10 times with k=2 and accepts 12 tokens; prompt i yields i + 1 tokens."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def generate(self, inputs, params, use_tqdm=False):
+        self.calls += 1
+        return [Output([Completion(list(range(i + 1)), f"t{i}")]) for i in range(len(inputs))]
+
+    def get_metrics(self):
+        n = self.calls
+        return [
+            Metric("vllm:spec_decode_num_drafts", 10 * n),
+            Metric("vllm:spec_decode_num_draft_tokens", 20 * n),
+            Metric("vllm:spec_decode_num_accepted_tokens", 12 * n),
+            Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[8 * n, 4 * n]),
+        ]
+
+
+JOB = {
+    "target": "/t",
+    "prompts": [[1, 2], [3], [4, 5, 6]],
+    "max_tokens": 8,
+    "eos_token_id": 2,
+    "repeats": 3,
+    "seed": 0,
+    "max_num_seqs": 2,
+    "max_model_len": 64,
+}
+
+
+def test_counters_cover_only_the_timed_passes(monkeypatch):
+    monkeypatch.setattr(speculate, "_sampling_params", lambda job, t, n: [None] * n)
+    llm = FakeLLM()
+    cfg = {
+        "name": "d",
+        "method": "draft_model",
+        "draft": "/d",
+        "k": 2,
+        "temperature": 0.0,
+        "draft_sample_method": "greedy",
+    }
+    ticks = iter(range(100))
+    res = speculate.measure_temperature(llm, cfg, JOB, clock=lambda: float(next(ticks)))
+    assert llm.calls == 1 + 3  # warm-up + repeats
+    assert (res["num_drafts"], res["num_draft_tokens"], res["num_accepted_tokens"]) == (30, 60, 36)
+    assert res["accepted_per_pos"] == [24, 12]
+    assert res["wall_s"] == [1.0, 1.0, 1.0] and len(res["load_avg"]) == 3
+    assert res["output_tokens"] == 1 + 2 + 3 and res["output_tokens_per_pass"] == [6, 6, 6]
+    assert res["texts"] == ["t0", "t1", "t2"] and res["token_ids"][2] == [0, 1, 2]
+    assert res["error"] is None
+
+
+def test_engine_groups_share_an_engine_across_temperatures_only():
+    base = {"method": "draft_model", "draft": "/d", "k": 2, "draft_sample_method": "greedy"}
+    cfgs = [
+        {"name": "d", **base, "temperature": 0.0},
+        {"name": "d", **base, "temperature": 1.0},
+        {"name": "d", **base, "k": 4, "temperature": 0.0},
+        {"name": "d", **base, "draft_sample_method": "probabilistic", "temperature": 1.0},
+    ]
+    groups = speculate.engine_groups(cfgs)
+    assert [len(g) for g in groups] == [2, 1, 1]
+
+
+def test_vllm_arguments():
+    job = {
+        **JOB,
+        "rejection_sample_method": "standard",
+        "ngram_prompt_lookup_min": 2,
+        "ngram_prompt_lookup_max": 4,
+    }
+    draft = {
+        "name": "d",
+        "method": "draft_model",
+        "draft": "/d",
+        "k": 3,
+        "temperature": 0.0,
+        "draft_sample_method": "probabilistic",
+    }
+    kw = speculate.engine_kwargs(draft, job)
+    assert kw["disable_log_stats"] is False and kw["model"] == "/t"
+    assert kw["speculative_config"] == {
+        "method": "draft_model",
+        "model": "/d",
+        "num_speculative_tokens": 3,
+        "draft_sample_method": "probabilistic",
+        "rejection_sample_method": "standard",
+    }
+    ngram = speculate.speculative_config({"method": "ngram", "k": 4}, job)
+    assert ngram == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
+    assert "speculative_config" not in speculate.engine_kwargs({"method": None, "k": 0}, job)
+
+
+def test_engine_start_failure_becomes_per_config_errors(monkeypatch):
+    import sys
+    import types
+
+    class Boom:
+        def __init__(self, **kw):
+            raise RuntimeError("no memory")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=Boom))
+    cfgs = [
+        {"name": "d", "method": None, "draft": None, "k": 0, "temperature": t, "draft_sample_method": None}
+        for t in (0.0, 1.0)
+    ]
+    out = speculate.run_group(cfgs, JOB)
+    assert len(out) == 2 and all("no memory" in r["error"] for r in out)
+    assert all(r["wall_s"] == [] for r in out)
