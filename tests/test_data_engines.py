@@ -63,7 +63,7 @@ def test_vllm_job_and_env(tmp_path):
         on_gpu=False,
     )
     assert job["kind"] == "generate" and job["enforce_eager"] is True
-    assert job["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 32, "n": 3}
+    assert job["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 32, "n": 3, "logprobs": None}
     assert job["max_model_len"] == 64 + 32
     assert job["chunks"][0]["prompts"][0] == {
         "prompt_id": "p1",

@@ -338,6 +338,12 @@ def test_vllm_requested_but_missing_is_exit_2(base, monkeypatch, capsys):
     assert "data.engine" in capsys.readouterr().err
 
 
+def test_logits_from_vllm_without_the_vllm_engine_is_exit_2(base, capsys):
+    assert run_data([*base, "data.logits.top_k=4", "data.logits.source=vllm"]) == 2
+    assert "data.logits.source" in capsys.readouterr().err
+    assert not (run_dir_of(base) / "data").exists()
+
+
 def test_disk_full_mid_chunk_leaves_no_half_shard_and_resumes(base, tmp_path, monkeypatch, capsys):
     overrides = [*base, "data.logits.top_k=4"]
     real = store.write_cache_folder

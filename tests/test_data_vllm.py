@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from distill.cli import main
-from distill.data.format import load_split_dataset, manifest_path
+from distill.data.format import load_split_dataset, manifest_path, open_topk_cache
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "tiny.yaml")
@@ -46,3 +47,38 @@ def test_vllm_worker_greedy_matches_hf(tiny_config_overrides, tmp_path, monkeypa
             assert sum(r["loss_mask"]) == len(r["input_ids"]) - n_prompt <= 24
         same = sum(x["input_ids"] == y["input_ids"] for x, y in zip(a, b, strict=True))
         assert same >= 0.75 * len(a), f"{split}: only {same}/{len(a)} responses equal between vLLM and HF"
+
+
+def test_topk_cache_from_vllm_logprobs_matches_a_forward_pass(tiny_config_overrides, tmp_path, monkeypatch):
+    """`data.logits.source: vllm` (no teacher pass) stores what `forward` stores, to fp16/kernel tolerance."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    common = [o for o in tiny_config_overrides if not o.startswith("run.dir=")]
+    common += [
+        "target.dtype=float32",
+        "data.temperature=0",
+        "data.max_new_tokens=16",
+        "data.max_train_prompts=12",
+        "data.max_val_prompts=4",
+        "data.vllm_kvcache_gib=1",
+        "data.engine=vllm",
+        "data.logits.top_k=8",
+    ]
+    for src in ("vllm", "forward"):
+        args = [*common, f"run.dir={tmp_path / src}", f"data.logits.source={src}"]
+        assert main(["data", "-c", CONFIG, *args]) == 0
+    a_rows = [dict(r) for r in load_split_dataset(tmp_path / "vllm", "train")]
+    b_rows = [dict(r) for r in load_split_dataset(tmp_path / "forward", "train")]
+    assert [r["input_ids"] for r in a_rows] == [r["input_ids"] for r in b_rows]
+    a, b = open_topk_cache(tmp_path / "vllm", "train"), open_topk_cache(tmp_path / "forward", "train")
+    assert a is not None and b is not None and len(a) == len(b) == len(a_rows)
+    same_ids = total = 0
+    for i in range(len(a)):
+        (ai, al, ar), (bi, bl, br) = a.get(i), b.get(i)
+        assert ai.shape == bi.shape
+        torch.testing.assert_close(al[:, 0], bl[:, 0], atol=2e-3, rtol=2e-3)  # the argmax's log-prob
+        torch.testing.assert_close(ar, br, atol=5e-3, rtol=5e-3)
+        same_ids += int((ai == bi).sum())
+        total += ai.numel()
+    assert same_ids >= 0.95 * total  # near-ties may swap neighbours between the two kernels
+    manifest = json.loads(manifest_path(tmp_path / "vllm").read_text())
+    assert manifest["cache"]["top_k"] == 8

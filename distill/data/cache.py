@@ -57,3 +57,25 @@ def encode_rows(
         blobs.append(encode_row(ids.numpy(), lp.numpy(), rest.numpy(), vocab_size=vocab_size, codec=codec))
         counts.append(int(ids.shape[0]))
     return blobs, counts
+
+
+def rows_from_vllm(
+    response: dict[str, Any], n_tokens: int, *, k: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Cache rows (ids [n, k], logprobs [n, k], rest [n]) from the top-k vLLM returned while generating.
+
+    Row j is the distribution that predicted response token j, as in `topk_rows`. None when vLLM's rows do not
+    cover the `n_tokens` response tokens exactly (no log-probs requested, or an EOS appended after a stop
+    that vLLM did not generate): the caller falls back to a forward pass for that response.
+    """
+    ids, lps = response.get("topk_ids"), response.get("topk_logprobs")
+    if ids is None or lps is None or len(ids) != n_tokens or any(len(r) != k for r in ids):
+        return None
+    id_t = torch.tensor(ids, dtype=torch.int64).reshape(n_tokens, k)
+    lp_t = torch.tensor(lps, dtype=torch.float32).reshape(n_tokens, k)
+    # The mass outside the top-k, as topk_from_logits stores it: log(1 - sum p), clamped away from log(0).
+    kept = torch.exp(lp_t.double()).sum(-1).clamp(max=1.0 - 1e-12)
+    rest = torch.log1p(-kept).float()
+    if k >= vocab_size:
+        rest = torch.full((n_tokens,), float("-inf"))
+    return id_t, lp_t, rest

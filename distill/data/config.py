@@ -14,6 +14,12 @@ class LogitsConfig:
     batch_size: int = opt(
         8, "Sequences per teacher forward pass when building the cache.", ge=1, run_only=True
     )
+    source: Literal["auto", "vllm", "forward"] = opt(
+        "auto",
+        "Where the top-k comes from: `vllm` = the log-probs vLLM returns while generating (no extra pass; "
+        "raw model log-probs, before temperature), `forward` = one transformers forward pass per sequence "
+        "after generation; `auto` = vllm when the vLLM engine generates, else forward.",
+    )
     codec: Literal["zlib", "lzma", "none"] = opt(
         "lzma", "Compressor of the cache (after delta coding); zlib is faster to write and read, ~8% larger."
     )

@@ -97,9 +97,19 @@ def from_vllm(raw: list[list[dict[str, Any]]], eos: set[int], eos_id: int) -> li
             finished = c.get("finish_reason") == "stop"
             if finished and (not ids or ids[-1] not in eos):
                 ids.append(eos_id)
-            rs.append({"token_ids": ids, "finished": finished})
+            r: dict[str, Any] = {"token_ids": ids, "finished": finished}
+            if "topk_ids" in c:  # the target's top-k at each generated position (data.logits.source)
+                r["topk_ids"], r["topk_logprobs"] = c["topk_ids"], c["topk_logprobs"]
+            rs.append(r)
         out.append(rs)
     return out
+
+
+def logits_from_vllm(cfg: DataConfig, engine: str) -> bool:
+    """Whether the top-k cache is taken from vLLM's generation log-probs (no separate teacher pass)."""
+    if not cfg.logits.top_k or engine != "vllm":
+        return False
+    return cfg.logits.source in ("auto", "vllm")
 
 
 def vllm_job(
@@ -128,6 +138,7 @@ def vllm_job(
             "top_p": cfg.top_p,
             "max_tokens": cfg.max_new_tokens,
             "n": cfg.responses_per_prompt,
+            "logprobs": cfg.logits.top_k if logits_from_vllm(cfg, "vllm") else None,
         },
         "chunks": [
             {

@@ -30,6 +30,7 @@ from distill.data.engines import (
     eos_ids,
     from_vllm,
     hf_generate,
+    logits_from_vllm,
     vllm_env,
     vllm_job,
 )
@@ -73,7 +74,10 @@ class Context:
 
 def output_config(cfg: Config) -> dict[str, Any]:
     """The config that decides this stage's output (the schema's `run_only` keys left out)."""
-    return {"seed": cfg.run.seed, "target": to_dict(cfg.target), "data": output_view(cfg.data)}
+    data = output_view(cfg.data)
+    if not cfg.data.logits.top_k:
+        data["logits"].pop("source", None)  # no cache: where it would come from cannot change the output
+    return {"seed": cfg.run.seed, "target": to_dict(cfg.target), "data": data}
 
 
 def data_hash(cfg: Config) -> str:
@@ -386,22 +390,52 @@ def assemble_chunk(ctx: Context, split: str, c: int, ps: list[Prompt], eos: set[
         truncated=sum(1 for r in records if not r["finished"]),
     )
     cache = None
-    k = ctx.d.logits.top_k
-    if k:
-        from distill.data.cache import encode_rows, topk_rows
-
-        model = _load_target(ctx)
+    if ctx.d.logits.top_k:
         t0 = time.perf_counter()
-        seqs = [r["input_ids"] for r in records]
-        masks = [[0] * r["prompt_len"] + [1] * (len(r["input_ids"]) - r["prompt_len"]) for r in records]
-        pad = ctx.tok.pad_token_id if ctx.tok.pad_token_id is not None else min(eos)
-        rows = topk_rows(model, seqs, masks, k=k, batch_size=ctx.d.logits.batch_size, pad_id=pad)
-        vocab = int(model.config.vocab_size)
-        blobs, counts = encode_rows(rows, vocab_size=vocab, codec=ctx.d.logits.codec)
-        cache = (CacheMeta(k=min(k, vocab), vocab_size=vocab, codec=ctx.d.logits.codec), blobs, counts)
+        cache = _chunk_cache(ctx, records, responses, eos, meta)
         meta["cache_s"] = time.perf_counter() - t0
     store.write_chunk(ctx.base, split, c, records, meta, cache)
     return meta
+
+
+def _chunk_cache(
+    ctx: Context,
+    records: list[dict[str, Any]],
+    responses: list[list[dict[str, Any]]],
+    eos: set[int],
+    meta: dict[str, Any],
+) -> tuple[CacheMeta, list[bytes], list[int]]:
+    """The chunk's top-k rows, from vLLM's generation log-probs where it returned them, else a forward pass."""
+    from distill.data.cache import encode_rows, rows_from_vllm, topk_rows
+    from distill.models.draft import load_model_config
+
+    k = ctx.d.logits.top_k
+    vocab = int(
+        load_model_config(ctx.target_dir, trust_remote_code=ctx.cfg.target.trust_remote_code).vocab_size
+    )
+    flat = [r for rs in responses for r in rs]
+    rows: list[Any] = [None] * len(records)
+    if logits_from_vllm(ctx.d, ctx.engine):
+        for i, (rec, resp) in enumerate(zip(records, flat, strict=True)):
+            rows[i] = rows_from_vllm(
+                resp, len(rec["input_ids"]) - rec["prompt_len"], k=min(k, vocab), vocab_size=vocab
+            )
+    todo = [i for i, r in enumerate(rows) if r is None]
+    meta["cache_rows_from_vllm"] = len(records) - len(todo)
+    if todo:
+        # Responses vLLM returned no log-probs for (or that gained an EOS it did not generate): forward pass.
+        model = _load_target(ctx)
+        pad = ctx.tok.pad_token_id if ctx.tok.pad_token_id is not None else min(eos)
+        seqs = [records[i]["input_ids"] for i in todo]
+        masks = [
+            [0] * records[i]["prompt_len"] + [1] * (len(records[i]["input_ids"]) - records[i]["prompt_len"])
+            for i in todo
+        ]
+        fresh = topk_rows(model, seqs, masks, k=k, batch_size=ctx.d.logits.batch_size, pad_id=pad)
+        for i, r in zip(todo, fresh, strict=True):
+            rows[i] = r
+    blobs, counts = encode_rows(rows, vocab_size=vocab, codec=ctx.d.logits.codec)
+    return CacheMeta(k=min(k, vocab), vocab_size=vocab, codec=ctx.d.logits.codec), blobs, counts
 
 
 def assemble(ctx: Context, chunks: dict[str, list[list[Prompt]]]) -> None:
@@ -574,7 +608,13 @@ def _validate(cfg: Config) -> tuple[Path, Any, str]:
             "needs one to end responses. Set `eos_token` in its tokenizer_config.json."
         )
     check_lengths(cfg, target_dir)
-    return target_dir, tok, choose_engine(cfg.data)
+    engine = choose_engine(cfg.data)
+    if cfg.data.logits.top_k and cfg.data.logits.source == "vllm" and engine != "vllm":
+        raise InputError(
+            f"data.logits.source: `vllm` takes the top-k from vLLM's generation, but responses come from "
+            f"`{engine}` here; set data.logits.source=forward (or auto), or data.engine=vllm."
+        )
+    return target_dir, tok, engine
 
 
 def _finish(cfg: Config, manifest: dict[str, Any], t0: float) -> int:

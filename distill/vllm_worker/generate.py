@@ -3,12 +3,15 @@
 Job (JSON): {"kind": "generate", "model": DIR, "dtype": str, "seed": int, "max_model_len": int,
 "tensor_parallel_size": int, "data_parallel_size": int, "gpu_memory_utilization": float,
 "trust_remote_code": bool, "enforce_eager": bool,
-"sampling": {"temperature", "top_p", "max_tokens", "n"},
+"sampling": {"temperature", "top_p", "max_tokens", "n", "logprobs": int | null},
 "chunks": [{"out": PATH, "prompts": [{"prompt_id": str, "token_ids": [int], "seed": int | null}]}]}
 
 Each chunk's result is written atomically to its `out` path as soon as it is generated, so a killed worker
 loses at most the chunk in flight: {"responses": [[{"token_ids": [int], "finish_reason": str}] * n] per prompt,
 "gen_s": float, "engine": "vllm", "engine_version": str}. Chunks whose `out` exists are skipped.
+With `sampling.logprobs = k` each response also carries the target's top-k at every generated position:
+"topk_ids": [[int] * k] and "topk_logprobs": [[float] * k] (descending; vLLM's raw log-probs, i.e. the model's
+own distribution before temperature or top-p), one row per generated token.
 
 Data parallelism: `LLM(data_parallel_size>1)` is refused for single-process use in this vLLM, so with
 data_parallel_size = D > 1 this worker starts D copies of itself, each on its own group of
@@ -39,6 +42,7 @@ def _sampling_params(job: dict[str, Any], seed: int | None) -> Any:
         max_tokens=int(s["max_tokens"]),
         seed=None if greedy else seed,
         detokenize=False,
+        logprobs=s.get("logprobs") or None,
     )
 
 
@@ -55,6 +59,9 @@ def _build_llm(job: dict[str, Any]) -> Any:
         trust_remote_code=bool(job.get("trust_remote_code", False)),
         enforce_eager=bool(job.get("enforce_eager", False)),
     )
+    if job["sampling"].get("logprobs"):
+        # vLLM caps returned log-probs at 20 per token unless told otherwise.
+        kwargs["max_logprobs"] = int(job["sampling"]["logprobs"])
     if job.get("gpu_memory_utilization") is not None:
         kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
     return LLM(**kwargs)
@@ -70,6 +77,26 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _topk_rows(logprobs: Any, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """vLLM's per-position {token: Logprob} -> top-k ids and log-probs, descending.
+
+    vLLM adds the sampled token to a position's dict when it is outside the top-k, so keep the k best.
+    """
+    ids, lps = [], []
+    for position in logprobs:
+        best = sorted(position.items(), key=lambda kv: kv[1].logprob, reverse=True)[:k]
+        ids.append([int(t) for t, _ in best])
+        lps.append([float(lp.logprob) for _, lp in best])
+    return ids, lps
+
+
+def _completion(c: Any, k: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    if k:
+        out["topk_ids"], out["topk_logprobs"] = _topk_rows(c.logprobs or [], k)
+    return out
+
+
 def _generate_chunk(llm: Any, job: dict[str, Any], chunk: dict[str, Any], version: str) -> int:
     from vllm.inputs import TokensPrompt
 
@@ -78,10 +105,8 @@ def _generate_chunk(llm: Any, job: dict[str, Any], chunk: dict[str, Any], versio
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - start
-    responses = [
-        [{"token_ids": list(c.token_ids), "finish_reason": c.finish_reason} for c in out.outputs]
-        for out in outputs
-    ]
+    k = int(job["sampling"].get("logprobs") or 0)
+    responses = [[_completion(c, k) for c in out.outputs] for out in outputs]
     _write_json_atomic(
         Path(chunk["out"]),
         {"responses": responses, "gen_s": gen_s, "engine": "vllm", "engine_version": version},
