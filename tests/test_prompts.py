@@ -170,3 +170,37 @@ def test_real_sharegpt_file_is_cut_off_but_readable():
     assert all(r.messages[-1]["role"] == "user" and r.messages[-1]["content"] for r in ps.records[:500])
     splits = split_prompts(ps.records, val_fraction=0.02, test_fraction=0.02)
     assert len(splits["test"]) > 200
+
+
+LATIN1 = "café crème".encode("latin-1")  # 0xe9 / 0xe8: not UTF-8
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "where"),
+    [
+        ("p.jsonl", b'{"prompt": "one"}\n{"prompt": "two"}\n{"prompt": "' + LATIN1 + b'"}\n', "p.jsonl:3"),
+        ("p.json", b'[\n{"prompt": "one"},\n{"prompt": "' + LATIN1 + b'"}\n]\n', "p.json:3"),
+        ("p.csv", b"prompt\none\ntwo\n" + LATIN1 + b"\n", "p.csv:4"),
+    ],
+    ids=["jsonl", "json", "csv"],
+)
+def test_non_utf8_file_is_an_input_error_naming_file_line_and_fix(tmp_path, name, content, where):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(InputError) as e:
+        load_prompts(str(path))
+    msg = str(e.value)
+    assert where in msg and "UTF-8" in msg and "save" in msg.lower()
+
+
+def test_non_utf8_sharegpt_file_is_an_input_error(tmp_path):
+    path = tmp_path / "sg.json"
+    path.write_bytes(b'[{"conversations": [{"from": "human", "value": "' + LATIN1 + b'"}]}]')
+    with pytest.raises(InputError, match=r"sg.json:1: .*UTF-8"):
+        list(read_sharegpt(path))
+
+
+def test_utf8_with_bom_reads(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "caf\u00e9"}).encode() + b"\n")
+    assert load_prompts(str(path)).records[0].messages[0]["content"] == "caf\u00e9"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import importlib.util
+import io
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -198,16 +199,31 @@ def iter_json_array_objects(text: str) -> Iterator[Any]:
         yield obj
 
 
+def decode_utf8(path: Path, data: bytes, *, first_line: int = 1) -> str:
+    """`data` (read from `path`, starting at line `first_line`) as text; a UTF-8 BOM is dropped. A file in
+    another encoding is an `InputError` naming the file, the line and the fix."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = first_line + data.count(b"\n", 0, exc.start)
+        col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise InputError(
+            f"{path}:{line}: not valid UTF-8 (byte 0x{data[exc.start]:02x} at column {col}). Save the file as "
+            f"UTF-8 (e.g. `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`) and use that file."
+        ) from None
+
+
 def read_sharegpt(path: Path | None = None) -> Iterator[tuple[str, Any]]:
     path = path or sharegpt_path()
-    text = path.read_text(encoding="utf-8")
+    text = decode_utf8(path, path.read_bytes())
     for idx, obj in enumerate(iter_json_array_objects(text)):
         yield f"{path.name} record {idx}", obj
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded line by line, so a bad byte is reported with its line
+        for lineno, raw in enumerate(f, 1):
+            line = decode_utf8(path, raw, first_line=lineno)
             if not line.strip():
                 continue
             try:
@@ -220,7 +236,7 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(decode_utf8(path, path.read_bytes()))
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}). Fix the file.") from exc
     if isinstance(data, dict):
@@ -237,9 +253,9 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _read_csv(path: Path) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8", newline="") as f:
-        for i, row in enumerate(csv.DictReader(f)):
-            yield f"{path}:{i + 2}", dict(row)
+    text = decode_utf8(path, path.read_bytes())
+    for i, row in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
+        yield f"{path}:{i + 2}", dict(row)
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
