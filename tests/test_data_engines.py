@@ -184,3 +184,54 @@ def test_sigterm_mid_generation_exits_130_and_resumes(tiny_config_overrides, mon
     calls["n"] = -100
     assert main(["data", "-c", CONFIG, *overrides]) == 0
     assert len(load_split_dataset(run_dir, "train")) == 12
+
+
+def test_sampling_is_per_prompt_independent_of_batching(tiny_config_overrides, tmp_path):
+    """At temperature 1, each prompt's samples come from its own seed: batch size (= chunking) changes nothing."""
+    common = [o for o in tiny_config_overrides if not o.startswith("run.dir=")]
+    common += [
+        "data.engine=hf",
+        "data.temperature=1.0",
+        "data.top_p=0.9",
+        "data.responses_per_prompt=2",
+        "data.max_train_prompts=10",
+        "data.max_val_prompts=3",
+        "data.max_new_tokens=10",
+    ]
+    out = {}
+    for bs in (3, 7):
+        run_dir = tmp_path / f"bs{bs}"
+        assert main(["data", "-c", CONFIG, *common, f"run.dir={run_dir}", f"data.batch_size={bs}"]) == 0
+        out[bs] = {s: [dict(r) for r in load_split_dataset(run_dir, s)] for s in ("train", "val")}
+    assert out[3] == out[7]
+    rows = out[3]["train"]
+    assert (
+        len(rows) == 20
+        and sum(rows[i]["input_ids"] != rows[i + 1]["input_ids"] for i in range(0, 20, 2)) >= 5
+    )
+
+
+def test_per_prompt_sampler_draws_from_the_tempered_top_p_distribution():
+    import torch
+
+    from distill.data.engines import PerPromptSampler, top_p_filter
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logp = probs.log()[None]
+    assert (
+        torch.isinf(top_p_filter(logp, 0.8)[0, 2:]).all()
+        and torch.isfinite(top_p_filter(logp, 0.8)[0, :2]).all()
+    )
+    assert torch.isfinite(top_p_filter(logp, 0.85)[0, :3]).all() and torch.isinf(
+        top_p_filter(logp, 0.85)[0, 3]
+    )
+    assert torch.isfinite(top_p_filter(logp, 0.1)[0, 0]) and torch.isinf(top_p_filter(logp, 0.1)[0, 1:]).all()
+    n = 20000
+    scores = (probs.log() * 2.0).expand(n, 4)  # temperature 2 undoes the factor 2
+    picks = PerPromptSampler(list(range(n)), temperature=2.0, top_p=1.0)(None, scores).argmax(-1)  # type: ignore[arg-type]
+    freq = torch.bincount(picks, minlength=4).float() / n
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+    again = PerPromptSampler(list(range(n)), temperature=2.0, top_p=1.0)(None, scores).argmax(-1)  # type: ignore[arg-type]
+    assert torch.equal(picks, again)
+    first = PerPromptSampler([7], temperature=2.0, top_p=1.0)(None, scores[:1]).argmax(-1)  # type: ignore[arg-type]
+    assert first.item() == picks[7].item()  # a row's draw does not depend on the other rows

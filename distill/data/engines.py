@@ -43,34 +43,70 @@ def cut_at_eos(token_ids: list[int], eos: set[int], max_new_tokens: int) -> Resp
     return {"token_ids": token_ids[:max_new_tokens], "finished": False}
 
 
+class PerPromptSampler:
+    """Sampling for `generate` in greedy mode: argmax over Gumbel-perturbed log-probs, each row its own RNG.
+
+    argmax(log p + Gumbel noise) is an exact draw from p (the Gumbel-max trick). Drawing the noise from a
+    generator seeded per response (`request_seed` of its prompt + response index) makes every response a function
+    of its prompt alone: batch size, chunking, sharding and resumes do not change it (one global
+    `torch.manual_seed` per batch would). Temperature and top-p are applied here, as vLLM does.
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            logp = top_p_filter(logp, self.top_p)
+        vocab = scores.shape[-1]
+        u = torch.stack([torch.rand(vocab, generator=g) for g in self.generators]).to(scores.device)
+        return logp - torch.log(-torch.log(u))  # u == 0 gives -inf noise: never picked
+
+
+def top_p_filter(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the most likely tokens until their mass reaches `top_p` (always the top one); others -> -inf."""
+    srt, idx = logp.sort(dim=-1, descending=True)
+    p = srt.exp()
+    drop = (p.cumsum(-1) - p) >= top_p  # the tokens before this one already hold top_p
+    drop[..., 0] = False
+    return logp.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+
+
 def hf_generate(
     model: Any, tok: Any, prompts: list[Prompt], cfg: DataConfig, run_seed: int, eos: set[int]
 ) -> list[list[Response]]:
-    """Batched `generate` with left padding. Sampling is seeded from the chunk's first prompt id."""
+    """Batched `generate` with left padding; sampled responses depend on their prompt only (`PerPromptSampler`)."""
+    from transformers import LogitsProcessorList
+
+    n = cfg.responses_per_prompt
+    rows = [p for p in prompts for _ in range(n)]  # response j of prompt i is row i * n + j
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
-    width = max(len(p.token_ids) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
+    width = max(len(p.token_ids) for p in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, p in enumerate(rows):
         input_ids[i, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
         attn[i, width - len(p.token_ids) :] = 1
-    sample = cfg.temperature > 0
     kwargs: dict[str, Any] = dict(
         max_new_tokens=cfg.max_new_tokens,
-        do_sample=sample,
+        do_sample=False,  # greedy over PerPromptSampler's perturbed scores when sampling
         pad_token_id=pad,
         eos_token_id=sorted(eos),
-        num_return_sequences=cfg.responses_per_prompt,
+        temperature=None,
+        top_p=None,
+        top_k=None,
     )
-    if sample:
-        kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
-        torch.manual_seed(request_seed(run_seed, prompts[0].prompt_id))
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
+    if cfg.temperature > 0:
+        seeds = [request_seed(run_seed, p.prompt_id) + i % n for i, p in enumerate(rows)]
+        kwargs["logits_processor"] = LogitsProcessorList(
+            [PerPromptSampler(seeds, cfg.temperature, cfg.top_p)]
+        )
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)
     new = out[:, width:].tolist()
-    n = cfg.responses_per_prompt
     return [
         [cut_at_eos(new[i * n + j], eos, cfg.max_new_tokens) for j in range(n)] for i in range(len(prompts))
     ]
