@@ -10,11 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from distill.errors import InputError, Interrupted, RuntimeFailure
+from distill.errors import InputError, RuntimeFailure
 from distill.utils.fs import atomic_write_json, read_json
 
 log = logging.getLogger("distill.worker")
@@ -52,6 +52,11 @@ def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def worker_command() -> list[str]:
+    """The worker's command line before its two arguments (job file, result file)."""
+    return [sys.executable, "-m", "distill.vllm_worker"]
+
+
 def run_worker(
     job: dict[str, Any],
     *,
@@ -59,8 +64,9 @@ def run_worker(
     timeout_s: float,
     env: Mapping[str, str] | None = None,
     what: str = "vLLM worker",
+    command: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Run `python -m distill.vllm_worker` on `job`; return its result dict.
+    """Run `command JOB_FILE RESULT_FILE` (default `python -m distill.vllm_worker`); return its result dict.
 
     Raises `RuntimeFailure` with the worker's log tail when it crashes, exits non-zero or exceeds `timeout_s`
     (the whole process group is killed, so no engine process is left behind).
@@ -69,7 +75,7 @@ def run_worker(
     with tempfile.TemporaryDirectory(prefix="distill-worker-") as tmp:
         job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
         atomic_write_json(job_file, job)
-        cmd = [sys.executable, "-m", "distill.vllm_worker", str(job_file), str(result_file)]
+        cmd = [*(command or worker_command()), str(job_file), str(result_file)]
         start = time.monotonic()
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
@@ -83,17 +89,36 @@ def run_worker(
                     f"{what} did not finish within {timeout_s:.0f} s and was stopped. Last log lines "
                     f"({log_path}):\n{tail(log_path)}"
                 ) from None
-            except BaseException as exc:
+            except BaseException:  # Ctrl-C, SIGTERM (Interrupted): no engine process may outlive us
                 _kill_group(proc)
-                if isinstance(exc, KeyboardInterrupt | Interrupted):
-                    raise
                 raise
         log.debug("%s exited %s after %.1f s", what, rc, time.monotonic() - start)
         if rc != 0 or not result_file.is_file():
-            raise RuntimeFailure(f"{what} failed (exit {rc}). Last log lines ({log_path}):\n{tail(log_path)}")
-        result = read_json(result_file)
-        assert isinstance(result, dict)
+            raise RuntimeFailure(
+                f"{what} failed ({_exit_text(rc)}). Last log lines ({log_path}):\n{tail(log_path)}"
+            )
+        try:
+            result = read_json(result_file)
+        except (OSError, ValueError) as exc:
+            result = exc
+        if not isinstance(result, dict):
+            raise RuntimeFailure(
+                f"{what} exited 0 but its result is not a JSON object ({result}). Last log lines ({log_path}):\n"
+                f"{tail(log_path)}"
+            )
         return result
+
+
+def _exit_text(rc: int) -> str:
+    """'exit 3', or for a signal 'killed by SIGKILL' (the kernel's out-of-memory killer sends SIGKILL)."""
+    if rc >= 0:
+        return f"exit {rc}" + ("" if rc else ", but it wrote no result")
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    hint = " — out of memory?" if name == "SIGKILL" else ""
+    return f"killed by {name}{hint}"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
