@@ -213,3 +213,69 @@ def test_build_configs_sweeps_drafting_only_above_zero():
     assert ("a", 1, 0.0, "greedy") in keys and ("a", 1, 0.7, "probabilistic") in keys
     assert ("a", 1, 0.0, "probabilistic") not in keys
     assert len(cfgs) == 2 + 2 + 2 * (2 + 1)
+
+
+def _md_report(rows, **extra):
+    return {
+        "target": "t",
+        "complete": True,
+        "engine": "vllm",
+        "engine_version": "0",
+        "device": "cpu",
+        "dtype": "float32",
+        "prompts": {"source": "p", "count": 2},
+        "max_tokens": 8,
+        "settings": {
+            "max_num_seqs": 8,
+            "repeats": 1,
+            "draft_sample_methods": ["greedy"],
+            "rejection_sample_method": "standard",
+            "vllm_env": {},
+        },
+        "results": rows,
+        "recommendations": report.recommend(rows, min_acceptance=0.5),
+        **extra,
+    }
+
+
+def test_incomplete_eval_never_recommends_deploy():
+    """Partial rows that would pass the gate still give deploy: false, with the short reason (not the log)."""
+    rows = report.build_rows(
+        [base(walls=(2.0,)), res("good", walls=(1.0,), drafts=10, draft_tokens=20, accepted=16)],
+        dtype="float32",
+    )
+    assert report.recommend(rows, min_acceptance=0.5)[0]["deploy"] is True
+    error = "vLLM eval worker did not finish within 60 s and was stopped. Last log lines:\nengine 3/9 loading"
+    (rec,) = report.recommend(rows, min_acceptance=0.5, incomplete=error)
+    assert rec["deploy"] is False and rec["causes"] == [report.CAUSE_INCOMPLETE]
+    assert "incomplete (vLLM eval worker did not finish within 60 s" in rec["reason"]
+    assert "engine 3/9" not in rec["reason"]
+    (none,) = report.recommend(rows[:1], min_acceptance=0.5, incomplete=error)
+    assert none["deploy"] is False and report.CAUSE_INCOMPLETE in none["causes"]
+
+
+def test_greedy_mismatch_in_float32_warns_and_blocks_deploy():
+    runs = [
+        base(walls=(2.0,)),
+        res(
+            "d", walls=(1.0,), drafts=10, draft_tokens=20, accepted=16, texts=("a", "c"), ids=((1, 2), (1, 5))
+        ),
+    ]
+    rows = report.build_rows(runs, dtype="float32")
+    (rec,) = report.recommend(rows, min_acceptance=0.5)
+    assert rec["deploy"] is False and rec["causes"] == [report.CAUSE_GREEDY]
+    (warning,) = report.greedy_warnings(rows)
+    assert "changed the target's greedy output in float32" in warning and "correctness problem" in warning
+    assert "d k=2: greedy_match 0.500, mean common prefix 1.0 tokens" in warning
+    md = report.markdown(_md_report(rows, warnings=[warning]))
+    assert f"> {warning}" in md and "| 0.50 (1.0) |" in md  # greedy match (mean common prefix)
+    # bf16 may flip near-tied argmaxes: reported, neither a warning nor a deploy blocker
+    bf16 = report.build_rows(runs, dtype="bfloat16")
+    assert report.greedy_warnings(bf16) == [] and report.recommend(bf16, min_acceptance=0.5)[0]["deploy"]
+
+
+def test_markdown_names_the_hardware():
+    rows = report.build_rows([base()], dtype="float32")
+    hw = {"device": "cpu", "summary": "CPU: Example CPU @ 2.0GHz, 2 cores"}
+    assert "- hardware: CPU: Example CPU @ 2.0GHz, 2 cores" in report.markdown(_md_report(rows, hardware=hw))
+    assert "- hardware: cpu" in report.markdown(_md_report(rows))  # older reports: the device

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,10 @@ def test_eval_writes_contract_report(cfg_args, fake_worker):
     assert dsm == {(0.0, "greedy"), (1.0, "greedy"), (1.0, "probabilistic")}
     assert any(c["method"] == "ngram" and c["k"] == 2 for c in job["configs"])
     assert json.loads((run_dir(cfg_args) / "stages" / "eval.json").read_text())["stage"] == "eval"
+    # the machine, not just "cpu": CPU model and cores, in report.json and report.md
+    hw = rep["hardware"]
+    assert hw["device"] == "cpu" and hw["cpu_cores"] >= 1 and hw["summary"].startswith("CPU: ")
+    assert f"- hardware: {hw['summary']}" in (out / "report.md").read_text()
 
 
 def test_bad_draft_is_flagged_do_not_deploy(cfg_args, fake_worker, tiny_target_dir, tmp_path):
@@ -257,3 +262,94 @@ def test_busy_machine_warning():
     assert load_warnings({"cpu_count": 2}, [{"load_avg": [1.0, 1.5]}]) == []
     (msg,) = load_warnings({"cpu_count": 2}, [{"load_avg": [1.0]}, {"load_avg": [8.5]}])
     assert "8.5 on 2 cores" in msg
+
+
+def _worker_failing_after(n_done):
+    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+        Path(job["partial_path"]).write_text(
+            json.dumps({"engine": "vllm", "results": fake_results(job, n=n_done), "complete": False})
+        )
+        raise RuntimeFailure(f"{what} did not finish within {timeout_s:.0f} s and was stopped.\nlog tail")
+
+    return run_worker
+
+
+def test_incomplete_eval_never_says_deploy(cfg_args, monkeypatch):
+    """Partial rows that include a deployable configuration: still deploy false, the reason says why."""
+    monkeypatch.setattr(
+        "distill.utils.subproc.run_worker", _worker_failing_after(3)
+    )  # no_spec, ngram, good k=1
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    assert main(["eval", *cfg_args]) == 1
+    rep = json.loads((run_dir(cfg_args) / "eval" / "report.json").read_text())
+    assert rep["complete"] is False and any(r["name"] == "good" for r in rep["results"])
+    rec = rep["recommendation"]
+    assert rec["deploy"] is False and rec["name"] == "good" and rec["causes"] == ["incomplete"]
+    assert "eval is incomplete" in rec["reason"] and "log tail" not in rec["reason"]
+    assert all(r["deploy"] is False for r in rep["recommendations"])
+
+
+def test_greedy_mismatch_in_float32_is_a_report_warning(cfg_args, monkeypatch):
+    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+        results = fake_results(job)
+        for r in results:
+            if r["name"] == "good" and r["k"] == 2:
+                r["texts"] = ["y", *r["texts"][1:]]  # one prompt's output changed by speculation
+        return {"engine": "vllm", "device": "cpu", "complete": True, "results": results}
+
+    monkeypatch.setattr("distill.utils.subproc.run_worker", run_worker)
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    assert main(["eval", *cfg_args, "eval.dtype=float32"]) == 0
+    out = run_dir(cfg_args) / "eval"
+    rep = json.loads((out / "report.json").read_text())
+    (warning,) = [w for w in rep["warnings"] if "greedy output" in w]
+    assert "good k=2: greedy_match 0.750" in warning and "correctness problem" in warning
+    assert warning in (out / "report.md").read_text()
+    assert rep["recommendation"]["name"] == "good" and rep["recommendation"]["k"] == 1  # k=2 is gated
+
+
+# A stand-in for the vLLM worker: writes partial results for the first 3 configurations (no_spec, ngram,
+# good k=1: a deployable one), logs a line, then crashes (exit 3) or hangs.
+FAKE_WORKER = r"""
+import json, sys, time
+mode, job_file = sys.argv[1], sys.argv[2]
+job = json.load(open(job_file))
+done = []
+for c in job["configs"][:3]:
+    k, n = c["k"], len(job["prompts"])
+    done.append(dict(c, startup_s=1.0, wall_s=[1.0 if c["method"] is None else 0.5], output_tokens=64,
+                     output_tokens_per_pass=[64], num_drafts=10, num_draft_tokens=10 * k,
+                     num_accepted_tokens=9 * k, accepted_per_pos=[9] * k, texts=["x"] * n,
+                     token_ids=[[1]] * n, error=None))
+json.dump({"engine": "vllm", "results": done, "complete": False}, open(job["partial_path"], "w"))
+print("engine 4/4: good k=2 greedy", flush=True)
+if mode == "crash":
+    print("RuntimeError: CPU KV cache exhausted", flush=True)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("crash", "failed (exit 3)"), ("hang", "did not finish within 2 s and was stopped")],
+)
+def test_real_worker_crash_or_hang_keeps_partial_results_marked_incomplete(
+    cfg_args, monkeypatch, mode, expected
+):
+    monkeypatch.setattr(
+        "distill.utils.subproc.worker_command", lambda: [sys.executable, "-c", FAKE_WORKER, mode]
+    )
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    assert main(["eval", *cfg_args, "eval.timeout_s=1.5"]) == 1
+    out = run_dir(cfg_args) / "eval"
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["complete"] is False and len(rep["results"]) == 3
+    assert expected in rep["error"] and "engine 4/4: good k=2 greedy" in rep["error"]  # the log tail
+    if mode == "crash":
+        assert "CPU KV cache exhausted" in rep["error"]
+    assert rep["recommendation"]["deploy"] is False and "incomplete" in rep["recommendation"]["reason"]
+    md = (out / "report.md").read_text()
+    assert "INCOMPLETE" in md and "**do not deploy**" in md
+    assert "engine 4/4" in (out / "worker.log").read_text()
+    assert not (run_dir(cfg_args) / "stages" / "eval.json").exists()

@@ -132,9 +132,12 @@ def add_estimates(
             row["estimated_speedup"] = float(expected_speedup(min(alpha, 1.0 - 1e-9), int(row["k"]), c))
 
 
-def recommend(rows: list[dict[str, Any]], *, min_acceptance: float) -> list[dict[str, Any]]:
-    """The fastest speculative configuration per temperature, with the deploy gate:
-    deploy only when acceptance >= `min_acceptance` and speedup > 1."""
+def recommend(
+    rows: list[dict[str, Any]], *, min_acceptance: float, incomplete: str | None = None
+) -> list[dict[str, Any]]:
+    """The fastest speculative configuration per temperature, with the deploy gate: deploy only when the eval
+    is complete (`incomplete` is None; otherwise it says why not), acceptance >= `min_acceptance`, speedup > 1
+    and, in float32 at temperature 0, the output equals the target's (greedy_match 1)."""
     out = []
     for temp in sorted({float(r["temperature"]) for r in rows}):
         cands = [
@@ -153,7 +156,10 @@ def recommend(rows: list[dict[str, Any]], *, min_acceptance: float) -> list[dict
                     "k": None,
                     "speedup": None,
                     "deploy": False,
-                    "reason": "no speculative configuration was measured at this temperature",
+                    "causes": [CAUSE_NOTHING] + ([CAUSE_INCOMPLETE] if incomplete else []),
+                    "min_acceptance": min_acceptance,
+                    "reason": "no speculative configuration was measured at this temperature"
+                    + (f" ({_incomplete_problem(incomplete)})" if incomplete else ""),
                     "warning": "nothing to recommend",
                 }
             )
@@ -161,24 +167,60 @@ def recommend(rows: list[dict[str, Any]], *, min_acceptance: float) -> list[dict
         # The fastest configuration that passes the gate; when none does, the fastest one, flagged.
         passing = [r for r in cands if not _problems(r, min_acceptance)]
         best = max(passing or cands, key=lambda r: r["speedup"])
-        out.append(_gate(best, min_acceptance))
+        out.append(_gate(best, min_acceptance, incomplete))
     return out
 
 
-def _problems(row: dict[str, Any], min_acceptance: float) -> list[str]:
+# Why a recommendation says deploy: false, as codes (`causes`) for readers such as the model card.
+CAUSE_INCOMPLETE = "incomplete"
+CAUSE_SLOWER = "not_faster"
+CAUSE_LOW_ACCEPTANCE = "low_acceptance"
+CAUSE_GREEDY = "greedy_mismatch"
+CAUSE_NOTHING = "nothing_measured"
+
+
+def greedy_mismatch(row: dict[str, Any]) -> bool:
+    """Speculation changed the output where it must not: temperature 0, float32, greedy_match < 1."""
+    gm = row.get("greedy_match")
+    return (
+        row.get("method") is not None
+        and float(row.get("temperature", 0.0)) == 0.0
+        and row.get("dtype") == "float32"
+        and gm is not None
+        and float(gm) < 1.0
+    )
+
+
+def _problems(row: dict[str, Any], min_acceptance: float) -> dict[str, str]:
+    """cause code -> message, for each deploy condition `row` fails."""
     acc, speedup = row.get("acceptance_rate"), float(row["speedup"])
-    problems = []
+    problems = {}
     if speedup <= 1.0:
-        problems.append(f"{SLOWER_WARNING} (best speedup {speedup:.2f}x)")
+        problems[CAUSE_SLOWER] = f"{SLOWER_WARNING} (best speedup {speedup:.2f}x)"
     if acc is None or acc < min_acceptance:
         shown = "n/a" if acc is None else f"{acc:.2f}"
-        problems.append(f"acceptance {shown} < {min_acceptance:.2f}: the draft rarely matches the target")
+        problems[CAUSE_LOW_ACCEPTANCE] = (
+            f"acceptance {shown} < {min_acceptance:.2f}: the draft rarely matches the target"
+        )
+    if greedy_mismatch(row):
+        problems[CAUSE_GREEDY] = (
+            f"greedy_match {float(row['greedy_match']):.3f} < 1 in float32: speculation changed the output"
+        )
     return problems
 
 
-def _gate(best: dict[str, Any], min_acceptance: float) -> dict[str, Any]:
+def _incomplete_problem(incomplete: str) -> str:
+    # Only the first line: a worker error carries its whole log tail, which belongs in report.error.
+    first = incomplete.strip().splitlines()[0] if incomplete.strip() else "partial results"
+    first = first if len(first) <= 160 else first[:157] + "..."
+    return f"the eval is incomplete ({first}): figures cover only part of the sweep"
+
+
+def _gate(best: dict[str, Any], min_acceptance: float, incomplete: str | None = None) -> dict[str, Any]:
     acc, speedup = best.get("acceptance_rate"), float(best["speedup"])
     problems = _problems(best, min_acceptance)
+    if incomplete is not None:
+        problems = {CAUSE_INCOMPLETE: _incomplete_problem(incomplete), **problems}
     label = f"{best['name']} k={best['k']}" + (
         f" ({best['draft_sample_method']} drafting)" if best.get("draft_sample_method") else ""
     )
@@ -191,14 +233,37 @@ def _gate(best: dict[str, Any], min_acceptance: float) -> dict[str, Any]:
         "draft_sample_method": best.get("draft_sample_method"),
         "speedup": speedup,
         "acceptance_rate": acc,
+        "min_acceptance": min_acceptance,
         "deploy": not problems,
+        "causes": list(problems),
     }
     if problems:
-        rec["reason"] = f"best measured is {label}, but " + "; ".join(problems) + ". Do not deploy it."
-        rec["warning"] = "; ".join(problems)
+        rec["reason"] = (
+            f"best measured is {label}, but " + "; ".join(problems.values()) + ". Do not deploy it."
+        )
+        rec["warning"] = "; ".join(problems.values())
     else:
         rec["reason"] = f"{label} is the fastest: {speedup:.2f}x the target alone, acceptance {acc:.2f}."
     return rec
+
+
+def greedy_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """A warning when a float32 run at temperature 0 did not reproduce the target's output."""
+    bad = [r for r in rows if greedy_mismatch(r)]
+    if not bad:
+        return []
+    detail = "; ".join(
+        f"{r['name']} k={r.get('k')}: greedy_match {float(r['greedy_match']):.3f}, mean common prefix "
+        f"{_fmt(r.get('mean_common_prefix'), '.1f')} tokens"
+        for r in bad
+    )
+    return [
+        "WARNING: speculation changed the target's greedy output in float32 ("
+        + detail
+        + "). At temperature 0 in float32 speculative decoding must reproduce the target alone exactly, so this "
+        "is a correctness problem (an engine defect or broken verification), not a quality trade-off: do not "
+        "deploy these configurations; the texts are in eval/raw_results.json."
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -222,11 +287,12 @@ def markdown(report: dict[str, Any]) -> str:
             + " Figures below cover only the configurations that finished.",
             "",
         ]
-    for note in report.get("notes") or []:
+    for note in [*(report.get("warnings") or []), *(report.get("notes") or [])]:
         lines += [f"> {note}", ""]
     lines += [
         f"- engine: {report.get('engine')} {report.get('engine_version')} on {report.get('device')}, "
         f"dtype {report.get('dtype')}",
+        f"- hardware: {hardware_summary(report)}",
         f"- prompts: {report['prompts']['count']} from `{report['prompts']['source']}`, max_tokens "
         f"{report.get('max_tokens')} (stop at EOS), batch (max_num_seqs) {report['settings'].get('max_num_seqs')}, "
         f"{report['settings'].get('repeats')} timed repeats after a warm-up (median)",
@@ -251,6 +317,18 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def hardware_summary(report: dict[str, Any]) -> str:
+    """One line for the hardware: `report["hardware"]["summary"]`, else the bare device (older reports)."""
+    hw = report.get("hardware")
+    if isinstance(hw, dict) and hw.get("summary"):
+        return str(hw["summary"])
+    return str(hw or report.get("device") or "unknown")
+
+
+def _prefix(row: dict[str, Any]) -> str:
+    return f" ({row['mean_common_prefix']:.1f})" if row.get("mean_common_prefix") is not None else ""
+
+
 def _est(row: dict[str, Any], key: str) -> str:
     return f" ({row[key]:.2f})" if row.get(key) is not None else ""
 
@@ -260,7 +338,7 @@ def _table(temp: float, rows: list[dict[str, Any]]) -> list[str]:
         f"## Temperature {temp}",
         "",
         "| config | k | drafting | acceptance rate (est.) | mean acceptance length | tokens/s | speedup | "
-        "analytic speedup: measured a (est. a) | greedy match | start-up s |",
+        "analytic speedup: measured a (est. a) | greedy match (mean common prefix) | start-up s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -268,7 +346,7 @@ def _table(temp: float, rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"| {name} | {r.get('k')} | {r.get('draft_sample_method') or '–'} | {_fmt(r.get('acceptance_rate'))}{_est(r, 'estimated_acceptance')} "
             f"| {_fmt(r.get('mean_acceptance_length'))} | {_fmt(r.get('tokens_per_s'), '.1f')} "
-            f"| {_fmt(r.get('speedup'))} | {_fmt(r.get('analytic_speedup'))}{_est(r, 'estimated_speedup')} | {_fmt(r.get('greedy_match'))} "
+            f"| {_fmt(r.get('speedup'))} | {_fmt(r.get('analytic_speedup'))}{_est(r, 'estimated_speedup')} | {_fmt(r.get('greedy_match'))}{_prefix(r)} "
             f"| {_fmt(r.get('startup_s'), '.1f')} |"
         )
     errors = [r for r in rows if r.get("error")]

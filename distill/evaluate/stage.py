@@ -17,7 +17,7 @@ from typing import Any
 from distill import rundir
 from distill.config import Config
 from distill.errors import InputError, RuntimeFailure
-from distill.evaluate import jobs, report
+from distill.evaluate import hardware, jobs, report
 from distill.utils.fs import atomic_write_json, atomic_write_text, read_json
 
 log = logging.getLogger("distill.eval")
@@ -384,13 +384,17 @@ def assemble(
         )
     rows = report.build_rows(results, dtype=plan.dtype)
     analytic_info = _analytic(cfg, plan, rows) if analytic and rows else {"available": False}
-    recs = report.recommend(rows, min_acceptance=cfg.eval.min_acceptance)
+    # Partial rows must never yield deploy: true (a better configuration may be among the missing ones).
+    recs = report.recommend(
+        rows, min_acceptance=cfg.eval.min_acceptance, incomplete=None if complete else error
+    )
     e = cfg.eval
     settings = {
         "max_num_seqs": e.max_num_seqs,
         "repeats": e.repeats,
         "draft_sample_methods": e.draft_sample_methods,
         "rejection_sample_method": e.rejection_sample_method,
+        "min_acceptance": e.min_acceptance,
         "enforce_eager": e.enforce_eager,
         "tensor_parallel_size": e.tensor_parallel_size,
         "seed": cfg.run.seed,
@@ -402,6 +406,7 @@ def assemble(
         "engine": out.get("engine", plan.engine),
         "engine_version": out.get("engine_version"),
         "device": out.get("device", plan.device),
+        "hardware": out.get("hardware") or hardware.describe(out.get("device", plan.device)),
         "dtype": plan.dtype,
         "target": str(cfg.target.model),
         "prompts": {
@@ -418,8 +423,16 @@ def assemble(
         "recommendations": recs,
         "analytic": analytic_info,
         "memory": _memory(plan, min(e.max_num_seqs, len(plan.prompts))),
-        "notes": plan.notes + plugin_warnings(out, results) + load_warnings(out, results),
+        "notes": plan.notes,
+        "warnings": plugin_warnings(out, results) + load_warnings(out, results) + _greedy_warnings(rows),
     }
+
+
+def _greedy_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    found = report.greedy_warnings(rows)
+    for msg in found:
+        log.warning(msg)
+    return found
 
 
 def plugin_warnings(out: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from distill.evaluate import hardware
 from distill.evaluate.metrics import SpecCounters, counters_delta, extract_spec_counters, sum_counters
 from distill.utils.fs import atomic_write_json
 
@@ -211,6 +212,7 @@ def environment(job: dict[str, Any]) -> dict[str, Any]:
         "device": job.get("device", "cpu"),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
+        "hardware": hardware.describe(job.get("device", "cpu")),
         "vllm_env": {
             k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU") or k == "OMP_NUM_THREADS"
         },
