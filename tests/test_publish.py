@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -341,3 +342,108 @@ def test_sums_format_round_trip():
     assert parse_sums(f"{'1' * 64} *bin.dat\n") == {"bin.dat": "1" * 64}
     with pytest.raises(ValueError):
         parse_sums("nonsense\n")
+
+
+def _card_line(report: dict) -> str:
+    return card._recommendation(report)
+
+
+def test_card_says_why_not_to_deploy():
+    """Each cause in its own words; "not faster" only when the speedup says so."""
+    rec = {"name": "distilled", "k": 4, "temperature": 0.0, "deploy": False, "reason": "gated"}
+    low = {"complete": True, "settings": {"min_acceptance": 0.5}}
+    line = _card_line(low | {"recommendation": rec | {"speedup": 1.3, "acceptance_rate": 0.3}})
+    assert "acceptance 0.30 is below eval.min_acceptance 0.50" in line and "not faster" not in line
+    line = _card_line(low | {"recommendation": rec | {"speedup": 0.8, "acceptance_rate": 0.9}})
+    assert "speculation is not faster here (speedup 0.80x)" in line and "acceptance" not in line.split("—")[0]
+    both = rec | {"speedup": 0.9, "acceptance_rate": 0.2, "min_acceptance": 0.6}
+    line = _card_line({"complete": True, "recommendation": both})
+    assert "acceptance 0.20 is below eval.min_acceptance 0.60; speculation is not faster" in line
+    fast = rec | {"speedup": 1.5, "acceptance_rate": 0.8, "deploy": True, "causes": ["incomplete"]}
+    line = _card_line({"complete": False, "recommendation": fast})
+    assert "do **not** deploy (the eval is incomplete" in line and "not faster" not in line
+    greedy = rec | {"speedup": 1.5, "acceptance_rate": 0.8, "causes": ["greedy_mismatch"]}
+    assert "changed the target's greedy output" in _card_line({"complete": True, "recommendation": greedy})
+    ok = rec | {"speedup": 1.5, "acceptance_rate": 0.8, "deploy": True}
+    assert "Eval's recommendation: deploy —" in _card_line({"complete": True, "recommendation": ok})
+
+
+def test_card_shows_the_hardware(run_dir, overrides, tmp_path):
+    report = write_report(run_dir)
+    report["hardware"] = {"device": "cpu", "cpu": "Example CPU", "summary": "CPU: Example CPU, 2 cores"}
+    (run_dir / "eval" / "report.json").write_text(json.dumps(report))
+    assert publish(overrides) == 0
+    assert "hardware: **CPU: Example CPU, 2 cores**" in (release_dir(tmp_path) / "README.md").read_text()
+
+
+class FakeHfApi:
+    """Records calls; `upload_folder` fails while `failures` > 0 (a network error, with the token in it)."""
+
+    failures = 0
+    uploads: ClassVar[list[str]] = []
+    tags: ClassVar[list[str]] = []
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def create_repo(self, repo, **kwargs):
+        return repo
+
+    def upload_folder(self, *, folder_path, repo_id, **kwargs):
+        if FakeHfApi.failures > 0:
+            FakeHfApi.failures -= 1
+            raise ConnectionError(f"connection reset (Authorization: Bearer {self.token})")
+        FakeHfApi.uploads.append(folder_path)
+
+    def create_tag(self, repo, *, tag, **kwargs):
+        FakeHfApi.tags.append(tag)
+
+
+@pytest.fixture()
+def fake_hub(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_in_upload_error")
+    monkeypatch.setattr(FakeHfApi, "uploads", [])
+    monkeypatch.setattr(FakeHfApi, "tags", [])
+    monkeypatch.setattr(FakeHfApi, "failures", 1)
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    return FakeHfApi
+
+
+def test_failed_upload_is_retried_for_the_same_release_without_a_new_version(
+    run_dir, overrides, tmp_path, fake_hub, capsys
+):
+    hub_args = ("publish.push_to_hub=true", "publish.hub_repo=me/tiny-draft")
+    assert publish(overrides, *hub_args) == 1  # the upload failed after the local release was written
+    err = capsys.readouterr().err
+    assert "retry only this upload" in err and "hf_secret_in_upload_error" not in err
+    rel1, name_dir = release_dir(tmp_path, "1"), release_dir(tmp_path).parent
+    assert verify_release(rel1) == [] and read_latest(name_dir) == "1" and fake_hub.uploads == []
+    assert not (run_dir / "stages" / "publish.json").exists()
+    card_before = (rel1 / "README.md").read_bytes()
+
+    assert publish(overrides, *hub_args) == 0  # the rerun retries the upload of release 1 only
+    assert not release_dir(tmp_path, "2").exists() and read_latest(name_dir) == "1"
+    assert fake_hub.uploads == [str(rel1)] and fake_hub.tags == ["v1"]
+    assert (rel1 / "README.md").read_bytes() == card_before and verify_release(rel1) == []
+    summary = json.loads((run_dir / "stages" / "publish.json").read_text())["summary"]
+    assert summary["version"] == "1" and summary["hub_url"] == "https://huggingface.co/me/tiny-draft"
+    assert not list((run_dir / "stages").glob("*pending*"))
+
+    assert publish(overrides, *hub_args) == 0  # once pushed, publishing again makes a new version
+    assert read_latest(name_dir) == "2" and fake_hub.uploads[-1] == str(release_dir(tmp_path, "2"))
+
+
+def test_pending_upload_of_a_changed_draft_makes_a_new_version(
+    run_dir, overrides, tmp_path, fake_hub, tiny_tokenizer
+):
+    from distill.models.tiny import save_tiny_model
+
+    hub_args = ("publish.push_to_hub=true", "publish.hub_repo=me/tiny-draft")
+    assert publish(overrides, *hub_args) == 1
+    save_tiny_model(run_dir / "draft", seed=9, tokenizer=tiny_tokenizer, num_layers=1)  # retrained since
+    assert publish(overrides, *hub_args) == 0
+    assert fake_hub.uploads == [str(release_dir(tmp_path, "2"))]
+    assert read_latest(release_dir(tmp_path).parent) == "2"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distill.evaluate import report as eval_report
 from distill.utils.fs import read_json
 
 # Hub ids of the built-in target aliases and licenses we know for certain, so a card can name them even though
@@ -249,7 +250,7 @@ def measurement_context(report: dict[str, Any]) -> str:
     prompts = report.get("prompts") or {}
     hardware = report.get("hardware") or report.get("device") or "unknown"
     if isinstance(hardware, dict):
-        hardware = ", ".join(f"{k}: {v}" for k, v in hardware.items())
+        hardware = hardware.get("summary") or ", ".join(f"{k}: {v}" for k, v in hardware.items())
     engine = f"{report.get('engine', 'unknown')} {report.get('engine_version', '')}".strip()
     return (
         f"Engine: **{engine}**; hardware: **{hardware}**; prompt set: **{prompts.get('source', 'unknown')}** "
@@ -280,11 +281,40 @@ def _forced_section(inp: CardInputs) -> str:
     )
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def not_deploy_causes(report: dict[str, Any], rec: dict[str, Any]) -> list[str]:
+    """Why eval says do not deploy, in words: from the recommendation's `causes` codes where the report has
+    them, and from its figures (completeness, acceptance vs eval.min_acceptance, speedup) either way."""
+    codes = set(rec.get("causes") or [])
+    settings = report.get("settings") or {}
+    floor = _number(rec.get("min_acceptance")) or _number(settings.get("min_acceptance"))
+    acc, speedup = _number(rec.get("acceptance_rate")), _number(rec.get("speedup"))
+    out = []
+    if report.get("complete") is False or eval_report.CAUSE_INCOMPLETE in codes:
+        out.append("the eval is incomplete, so these figures cover only part of the sweep")
+    if rec.get("name") is None or eval_report.CAUSE_NOTHING in codes:
+        out.append("no speculative configuration was measured")
+    if (acc is not None and floor is not None and acc < floor) or eval_report.CAUSE_LOW_ACCEPTANCE in codes:
+        shown = "n/a" if acc is None else f"{acc:.2f}"
+        below = f"eval.min_acceptance {floor:.2f}" if floor is not None else "eval.min_acceptance"
+        out.append(f"acceptance {shown} is below {below}")
+    if (speedup is not None and speedup <= 1.0) or eval_report.CAUSE_SLOWER in codes:
+        shown = "n/a" if speedup is None else f"{speedup:.2f}x"
+        out.append(f"speculation is not faster here (speedup {shown})")
+    if eval_report.CAUSE_GREEDY in codes:
+        out.append("speculation changed the target's greedy output in float32")
+    return out or ["the eval's deploy gate did not pass"]
+
+
 def _recommendation(report: dict[str, Any]) -> str:
     rec = report.get("recommendation")
     if not isinstance(rec, dict):
         return ""
-    verdict = "deploy" if rec.get("deploy") else "do **not** deploy (speculation is not faster here)"
+    deploy = bool(rec.get("deploy")) and report.get("complete") is not False
+    verdict = "deploy" if deploy else f"do **not** deploy ({'; '.join(not_deploy_causes(report, rec))})"
     return (
         f"\nEval's recommendation: {verdict} — {rec.get('name')} at k={rec.get('k')}, temperature "
         f"{_fmt(rec.get('temperature'), 2)}, speedup {_fmt(rec.get('speedup'), 2)}. {rec.get('reason', '')}\n"

@@ -63,8 +63,9 @@ def push(folder: Path, pcfg: PublishConfig, version: str, token: str) -> str:
     except Exception as exc:  # connection errors, auth errors, hub errors: all leave the local release intact
         raise RuntimeFailure(
             f"publish.push_to_hub: upload of {folder} to {repo} failed ({type(exc).__name__}: "
-            f"{_scrub(str(exc), token)}). The local release is complete and verified; upload it later with "
-            f"`hf upload {repo} {folder}` once the hub is reachable."
+            f"{_scrub(str(exc), token)}). The local release is complete and verified; rerun the same command "
+            f"once the hub is reachable to retry only this upload (no new version), or upload it with "
+            f"`hf upload {repo} {folder}`."
         ) from None  # `from None`: the chained exception could carry request headers
     log.info("uploaded %s to https://huggingface.co/%s", folder, repo)
     return f"https://huggingface.co/{repo}"

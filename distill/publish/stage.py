@@ -3,6 +3,10 @@
 Load (draft folder, eval report, gate) → refuse or go → build the release in a temporary folder → verify its
 checksums → rename it into `<publish.dir>/<publish.name>/<version>` → verify again → move `latest` → upload
 (optional) → record completion. A reader never sees a half-written release or a `latest` pointing at one.
+
+An upload that fails leaves the local release complete and `run_dir/stages/publish.push_pending.json` naming
+it; the rerun (`distill publish` or `distill run`) retries only the upload of that same release while the draft
+and the eval report are unchanged, instead of publishing a duplicate version.
 """
 
 from __future__ import annotations
@@ -52,9 +56,39 @@ def run(cfg: Config) -> int:
     result = _gate(run_dir, pcfg.force)
     token = hub.preflight(pcfg) if pcfg.push_to_hub else ""
     name_dir = Path(pcfg.dir) / pcfg.name
-    _refuse_existing_tag(name_dir, pcfg.version)
+    pending = pending_release(cfg, name_dir, draft_dir)
+    if pending is None:
+        _refuse_existing_tag(name_dir, pcfg.version)
     run_config = _run_config(run_dir, cfg)  # before start_stage rewrites config.yaml
     rundir.start_stage(cfg, "publish")
+    if pending is not None:
+        version, final = pending
+        log.info(
+            "release %s is already written and verified; its upload is pending: retrying only that", final
+        )
+    else:
+        version, final = _release(cfg, name_dir, draft_dir, result, run_config)
+        log.info("published %s (version %s); latest -> %s", final, version, version)
+    summary: dict[str, Any] = {
+        "version": version,
+        "path": str(final),
+        "forced": bool(pcfg.force and not result.passed),
+    }
+    if pcfg.push_to_hub:
+        summary["hub_url"] = hub.push(final, pcfg, version, token)  # raises: the pending record stays
+    elif pending is not None:
+        log.warning("publish.push_to_hub=false now: release %s stays local (its upload is dropped)", final)
+    pending_path(run_dir).unlink(missing_ok=True)
+    rundir.mark_complete(cfg, "publish", summary)
+    print(f"published {final}")
+    return EXIT_OK
+
+
+def _release(
+    cfg: Config, name_dir: Path, draft_dir: Path, result: gate.GateResult, run_config: dict[str, Any]
+) -> tuple[str, Path]:
+    """Build, verify and move in the next release; point `latest` at it. Returns (version, folder)."""
+    pcfg = cfg.publish
     with release_lock(name_dir):
         remove_stale_temporaries(name_dir)
         version = next_version(name_dir) if pcfg.version == "auto" else pcfg.version
@@ -68,17 +102,66 @@ def run(cfg: Config) -> int:
         if problems:
             raise RuntimeFailure(f"release {final} failed verification after the move: {'; '.join(problems)}")
         set_latest(name_dir, version)
-    log.info("published %s (version %s); latest -> %s", final, version, version)
-    summary: dict[str, Any] = {
-        "version": version,
-        "path": str(final),
-        "forced": bool(pcfg.force and not result.passed),
-    }
-    if pcfg.push_to_hub:
-        summary["hub_url"] = hub.push(final, pcfg, version, token)
-    rundir.mark_complete(cfg, "publish", summary)
-    print(f"published {final}")
-    return EXIT_OK
+        if pcfg.push_to_hub:  # until the upload succeeds, a rerun retries it instead of a new version
+            atomic_write_json(
+                pending_path(cfg.run_dir),
+                {"version": version, "path": str(final.resolve()), "hub_repo": pcfg.hub_repo},
+            )
+    return version, final
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A release whose upload is pending
+
+
+def pending_path(run_dir: Path) -> Path:
+    return rundir.completion_path(run_dir, "publish").with_name("publish.push_pending.json")
+
+
+def pending_release(cfg: Config, name_dir: Path, draft_dir: Path) -> tuple[str, Path] | None:
+    """(version, folder) of this run's release whose upload failed, when it is still the release this run
+    would publish now: same place, intact, same draft bytes, same eval report, same model reference.
+    Otherwise None (a stale record is dropped, with a warning)."""
+    path = pending_path(cfg.run_dir)
+    if not path.is_file():
+        return None
+    try:
+        rec = read_json(path)
+        version = str(rec["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        path.unlink(missing_ok=True)
+        return None
+    final = name_dir / version
+    why = _pending_mismatch(cfg, final, draft_dir, rec)
+    if why:
+        log.warning("an earlier upload of %s never finished, but %s: publishing a new release", final, why)
+        path.unlink(missing_ok=True)
+        return None
+    return version, final
+
+
+def _pending_mismatch(cfg: Config, final: Path, draft_dir: Path, rec: dict[str, Any]) -> str | None:
+    pcfg = cfg.publish
+    if pcfg.version not in ("auto", rec["version"]):
+        return f"publish.version asks for {pcfg.version}"
+    if not final.is_dir() or Path(str(rec.get("path"))) != final.resolve():
+        return f"it is not at {final} any more"
+    if verify_release(final):
+        return "it no longer verifies against its SHA256SUMS"
+    try:
+        prov = read_json(final / "provenance.json")
+        source, release = prov["source"], prov["release"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its provenance.json is unreadable"
+    report = cfg.run_dir / gate.REPORT
+    current_report = sha256_file(report) if report.is_file() else None
+    if source.get("draft_files") != folder_checksums(draft_dir):
+        return f"{draft_dir} changed since"
+    if source.get("eval_report_sha256") != current_report:
+        return f"{report} changed since"
+    if release.get("model_ref") != (pcfg.hub_repo or str(final.resolve())):
+        return "the model reference in its card (publish.hub_repo) differs"
+    return None
 
 
 def verify_only(path: Path) -> int:
