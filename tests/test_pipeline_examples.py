@@ -35,14 +35,49 @@ def _check_loads(command: str) -> None:
     load_config(shipped, overrides)  # raises ConfigError on an unknown key or a bad value
 
 
-def test_cron_line_loads():
+def _cron_command() -> str:
     lines = [
         ln
         for ln in (EXAMPLES / "cron" / "distill.cron").read_text().splitlines()
         if ln and not ln.startswith("#") and "=" not in ln.split()[0]
     ]
     assert len(lines) == 1 and len(lines[0].split()[:5]) == 5
-    _check_loads(lines[0].split(None, 5)[5])
+    return lines[0].split(None, 5)[5]
+
+
+def test_cron_line_loads():
+    _check_loads(_cron_command())
+
+
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("flock")), reason="needs bash and flock")
+def test_cron_line_resumes_an_unfinished_run_and_starts_fresh_after_it_ends(tmp_path):
+    """What the file's comment promises, with a fake `distill` (exit code chosen per night) and a fake `date`."""
+    command = (
+        _cron_command()
+        .replace("\\%", "%")
+        .replace("cd /opt/distill", f"cd {tmp_path}")
+        .replace("/tmp/distill.lock", str(tmp_path / "lock"))
+    )
+    (tmp_path / "logs").mkdir()
+    fake_bin, venv_bin = tmp_path / "fake_bin", tmp_path / ".venv" / "bin"
+    fake_bin.mkdir()
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "distill").write_text('#!/bin/sh\necho "$@" >> calls.txt\nexit "$(cat rc)"\n')
+    (fake_bin / "date").write_text("#!/bin/sh\ncat today\n")
+    for exe in (venv_bin / "distill", fake_bin / "date"):
+        exe.chmod(0o755)
+    env = {"PATH": f"{fake_bin}:/usr/bin:/bin"}
+    nights = [("2026-12-01", 130), ("2026-12-02", 1), ("2026-12-03", 0), ("2026-12-04", 2), ("2026-12-05", 0)]
+    for day, rc in nights:
+        (tmp_path / "today").write_text(day + "\n")
+        (tmp_path / "rc").write_text(str(rc))
+        subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, check=False)
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    names = [next(w for w in c.split() if w.startswith("run.name=")) for c in calls]
+    # interrupted (130) and failed (1) nights are continued; done (0) and refused (2) ones are not
+    assert names == [f"run.name=nightly-{d}" for d in ("2026-12-01",) * 3 + ("2026-12-04", "2026-12-05")]
+    assert all(c.startswith("run -c configs/smollm2-sharegpt.yaml") for c in calls)
+    assert not (tmp_path / "logs" / "nightly-run-name").exists()
 
 
 def test_systemd_units():
