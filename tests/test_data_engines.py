@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,24 +122,99 @@ def test_sampled_responses_per_prompt(tiny_config_overrides):
     assert manifest["splits"]["train"]["records"] == 24 and manifest["splits"]["train"]["prompts_used"] == 12
 
 
-def test_stale_merge_lock_blocks_auto_merge_but_not_data_merge(tiny_config_overrides, capsys):
+def _hold_merge_lock(run_dir: Path) -> subprocess.Popen:
+    """A process that takes `data/merge.lock` the way a merging job does, and keeps it until killed."""
+    code = (
+        "import sys, time; from pathlib import Path; from distill.data import lock; "
+        "assert lock.try_acquire(Path(sys.argv[1]))[0]; print('held', flush=True); time.sleep(300)"
+    )
+    path = run_dir / "data" / "merge.lock"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _kill9(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _lock_run(tiny_config_overrides: list[str], num_shards: int) -> tuple[Path, list[str]]:
     run_dir = Path(next(o.split("=", 1)[1] for o in tiny_config_overrides if o.startswith("run.dir=")))
     common = [
         *tiny_config_overrides,
         "data.engine=hf",
-        "data.num_shards=2",
+        f"data.num_shards={num_shards}",
         "data.max_train_prompts=8",
         "data.max_val_prompts=2",
         "data.max_new_tokens=8",
     ]
+    return run_dir, common
+
+
+def test_merge_lock_of_a_killed_merge_does_not_block(tiny_config_overrides, capsys):
+    run_dir, common = _lock_run(tiny_config_overrides, 2)
     assert main(["data", "-c", CONFIG, *common, "data.shard_index=0"]) == 0
-    (run_dir / "data" / "merge.lock").write_text("")  # as left by a merge killed with -9
+    _kill9(_hold_merge_lock(run_dir))  # as a merge killed with -9 leaves it
+    assert (run_dir / "data" / "merge.lock").exists()
     assert main(["data", "-c", CONFIG, *common, "data.shard_index=1"]) == 0
-    assert "another job is merging" in capsys.readouterr().out
-    assert not manifest_path(run_dir).exists()
-    assert main(["data", "-c", CONFIG, *common, "data.merge=true"]) == 0
+    assert "another job" not in capsys.readouterr().out
     assert manifest_path(run_dir).exists() and not (run_dir / "data" / "merge.lock").exists()
     assert len(load_split_dataset(run_dir, "train")) == 8
+
+
+def test_live_merger_is_left_alone_and_data_merge_waits_for_it(tiny_config_overrides, capsys):
+    run_dir, common = _lock_run(tiny_config_overrides, 2)
+    assert main(["data", "-c", CONFIG, *common, "data.shard_index=0"]) == 0
+    holder = _hold_merge_lock(run_dir)
+    try:
+        assert main(["data", "-c", CONFIG, *common, "data.shard_index=1"]) == 0
+        out = capsys.readouterr().out
+        assert "another job is merging" in out and f"pid {holder.pid}" in out
+        assert not manifest_path(run_dir).exists()
+        assert main(["data", "-c", CONFIG, *common, "data.merge=true"]) == 1
+        assert "still running" in capsys.readouterr().err
+    finally:
+        _kill9(holder)
+    assert main(["data", "-c", CONFIG, *common, "data.merge=true"]) == 0
+    assert manifest_path(run_dir).exists() and not (run_dir / "data" / "merge.lock").exists()
+
+
+def test_single_shard_build_never_finishes_without_a_manifest(tiny_config_overrides, capsys):
+    from distill.config import load_config
+    from distill.rundir import is_complete
+
+    run_dir, common = _lock_run(tiny_config_overrides, 1)
+    holder = _hold_merge_lock(run_dir)
+    try:
+        assert main(["data", "-c", CONFIG, *common]) == 1  # someone else holds the only merge: say so, not 0
+        err = capsys.readouterr().err
+        assert "cannot merge" in err and f"pid {holder.pid}" in err and "data.merge=true" in err
+        assert not manifest_path(run_dir).exists()
+        assert not is_complete(load_config(CONFIG, common), "data")
+    finally:
+        _kill9(holder)  # the merge killed with -9: the rerun takes its lock over
+    assert main(["data", "-c", CONFIG, *common]) == 0
+    assert manifest_path(run_dir).exists() and not (run_dir / "data" / "merge.lock").exists()
+    assert is_complete(load_config(CONFIG, common), "data")
+
+
+def test_merge_lock_from_another_host_is_trusted_until_data_merge(tiny_config_overrides, capsys):
+    import dataclasses
+
+    from distill.data import lock
+
+    run_dir, common = _lock_run(tiny_config_overrides, 2)
+    assert main(["data", "-c", CONFIG, *common, "data.shard_index=0"]) == 0
+    other = dataclasses.replace(lock.me(), host="node-elsewhere")
+    (run_dir / "data" / "merge.lock").write_text(json.dumps(dataclasses.asdict(other)))
+    assert main(["data", "-c", CONFIG, *common, "data.shard_index=1"]) == 0
+    out = capsys.readouterr().out
+    assert "node-elsewhere" in out and "data.merge=true" in out and not manifest_path(run_dir).exists()
+    assert main(["data", "-c", CONFIG, *common, "data.merge=true"]) == 0
+    assert manifest_path(run_dir).exists() and not (run_dir / "data" / "merge.lock").exists()
 
 
 def test_empty_val_split_still_saves_and_opens(tiny_config_overrides):

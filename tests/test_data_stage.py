@@ -367,3 +367,108 @@ def test_disk_full_mid_chunk_leaves_no_half_shard_and_resumes(base, tmp_path, mo
     ref = [*[o for o in overrides if not o.startswith("run.dir=")], f"run.dir={tmp_path / 'ref'}"]
     assert run_data(ref) == 0
     _same_output(run_dir_of(base), tmp_path / "ref")
+
+
+def test_non_utf8_prompt_file_is_exit_2_naming_file_and_line(tmp_path, tiny_target_dir, capsys):
+    src = tmp_path / "latin1.jsonl"
+    src.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    run_dir = tmp_path / "run"
+    assert run_data([f"target.model={tiny_target_dir}", f"run.dir={run_dir}", f"data.source={src}"]) == 2
+    err = capsys.readouterr().err
+    assert "latin1.jsonl:2" in err and "UTF-8" in err and "Traceback" not in err
+    assert not run_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Leftovers, damaged outputs, manifest counts
+
+
+def _crash_writes(monkeypatch, after: int, sleep_s: float = 0.0) -> None:
+    real = store.write_chunk
+    calls = {"n": 0}
+
+    def crash(*args, **kwargs):
+        if calls["n"] == after:
+            time.sleep(sleep_s)
+            raise RuntimeError("simulated crash")
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "write_chunk", crash)
+
+
+def test_temporaries_of_a_killed_merge_are_removed_and_nothing_else(base, monkeypatch):
+    overrides = [*base, "data.logits.top_k=4"]
+    _crash_writes(monkeypatch, after=1)
+    assert run_data(overrides) == 1
+    monkeypatch.undo()
+    data = run_dir_of(base) / "data"
+    # What a kill -9 inside save_split / merge_cache / a manifest write leaves (atomic_dir / atomic_write_json).
+    ours = [data / ".train.k2j4x_1a.tmp", data / ".val.old-4242", data / "topk" / ".train.9zz1.tmp"]
+    files = [data / ".manifest.json.abc123.tmp", data / ".merge.lock.0a1b2c3d.stale"]
+    others = [data / ".notes.tmp", data / "train-backup.tmp", data / "topk" / ".mine.tmp"]
+    for d in ours:
+        d.mkdir(parents=True)
+        (d / "data-00000-of-00001.arrow").write_bytes(b"half")
+    for f in [*files, *others]:
+        f.write_text("x")
+    assert run_data(overrides) == 0
+    assert not any(p.exists() for p in [*ours, *files])
+    assert all(p.exists() for p in others)  # not the stage's: left alone
+    (
+        data / ".val.x7.tmp"
+    ).mkdir()  # a kill -9 after the manifest was written: the "complete" rerun tidies too
+    assert run_data(overrides) == 0
+    assert not (data / ".val.x7.tmp").exists()
+
+
+@pytest.mark.parametrize("damage", ["train", "topk/val", "topk/train/blobs.bin"])
+def test_deleted_outputs_are_rebuilt_not_reported_complete(base, tmp_path, damage, capsys):
+    overrides = [*base, "data.logits.top_k=4"]
+    assert run_data(overrides) == 0
+    ref = tmp_path / "ref"
+    shutil.copytree(run_dir_of(base), ref)
+    target = run_dir_of(base) / "data" / damage
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.write_bytes(target.read_bytes()[:-5])  # cut off
+    capsys.readouterr()
+    assert run_data(overrides) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "already complete" not in text and "rebuilding" in text and damage.split("/")[0] in text
+    _same_output(ref, run_dir_of(base))
+    assert run_data(overrides) == 0
+    assert "already complete" in capsys.readouterr().out
+
+
+def test_manifest_counts_source_records_and_wall_time_over_resumes(tmp_path, tiny_target_dir, monkeypatch):
+    src = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"tell me about item {i}"} for i in range(30)]
+    rows += [rows[0], rows[1], rows[2], {"prompt": "  "}, {"prompt": ""}]  # 3 duplicates, 2 empty
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"target.model={tiny_target_dir}",
+        f"run.dir={run_dir}",
+        f"data.source={src}",
+        "data.engine=hf",
+        "data.batch_size=4",
+        "data.max_new_tokens=6",
+        "data.max_train_prompts=10",
+        "data.val_fraction=0.2",
+    ]
+    _crash_writes(monkeypatch, after=1, sleep_s=1.5)  # the first invocation spends >= 1.5 s, then dies
+    assert run_data(overrides) == 1
+    monkeypatch.undo()
+    assert run_data(overrides) == 0
+    m = json.loads(manifest_path(run_dir).read_text())
+    s = m["source"]
+    assert s["source"] == str(src) and s["records_read"] == 35 and s["unique_prompts"] == 30
+    assert s["dropped"] == {"duplicate": 3, "empty_or_no_user_turn": 2}
+    assert sum(s["by_split"].values()) == 30 and set(s["by_split"]) == {"train", "val", "test"}
+    train = m["splits"]["train"]
+    assert train["prompts_in_split"] == s["by_split"]["train"] >= 10 and train["prompts_loaded"] == 10
+    assert m["splits"]["val"]["prompts_in_split"] == s["by_split"]["val"]
+    assert m["wall_s_total"] >= m["wall_s_last_invocation"] + 1.5

@@ -8,7 +8,9 @@ Layout under `run_dir/data/`:
                             loss_mask: list[int]  1 exactly on response tokens (incl. the final EOS), 0 on prompt
                             prompt_id: str, response_index: int
     topk/train/, topk/val/  optional teacher top-k cache, one entry per dataset row, same order (see below)
-    manifest.json           counts, token totals, hashes, engine, timings, cache bytes/token
+    manifest.json           counts (source: records read / dropped; per split: in split, loaded, skipped, used),
+                            token totals, hashes, engine, timings (wall_s_total sums every invocation of every
+                            shard job, resumes included; wall_s_last_invocation), cache bytes/token
 
 Top-k cache (compact). For each row, for each position t with loss_mask[t] == 1 (R of them), the target's
 log-softmax at temperature 1 computed from the logits at position t-1 (the distribution that predicts token t):
@@ -341,6 +343,10 @@ class TopKCache:
             vocab_size=self.meta.vocab_size,
             codec=self.meta.codec,
         )
+
+    def blob_bytes(self) -> int:
+        """Size `blobs.bin` must have (the index's last offset): a shorter file was cut off."""
+        return int(self._offsets[-1]) if self._offsets.size else 0
 
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.folder.iterdir() if p.is_file())

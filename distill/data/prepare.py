@@ -27,6 +27,27 @@ class SplitPrompts:
     prompts: list[Prompt]  # usable prompts of the whole split (all shards), in a stable order
     loaded: int  # prompts of the split after the limit, before filtering
     skipped: dict[str, int] = field(default_factory=dict)
+    in_split: int = 0  # prompts of the source in this split, before the limit
+
+
+@dataclass
+class SourceCounts:
+    """What the prompt source held before the split: records read, dropped (empty / no user turn, duplicate)."""
+
+    source: str
+    records_read: int
+    dropped: dict[str, int]
+    unique_prompts: int
+    by_split: dict[str, int]  # train / val / test (held out), before data.max_*_prompts
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "records_read": self.records_read,
+            "dropped": dict(self.dropped),
+            "unique_prompts": self.unique_prompts,
+            "by_split": dict(self.by_split),
+        }
 
 
 def require_chat_template(tok: Any, model_ref: str) -> None:
@@ -50,8 +71,9 @@ def _limit(cfg: DataConfig, split: str) -> int:
     return cfg.max_train_prompts if split == "train" else cfg.max_val_prompts
 
 
-def load_splits(cfg: DataConfig, tok: Any) -> dict[str, SplitPrompts]:
-    """Both splits, tokenised and filtered (too long, missing dataset response). Raises InputError when empty."""
+def load_splits(cfg: DataConfig, tok: Any) -> tuple[dict[str, SplitPrompts], SourceCounts]:
+    """Both splits, tokenised and filtered (too long, missing dataset response), and the source's counts.
+    Raises InputError when the train split ends up empty."""
     pset = load_prompts(
         cfg.source, prompt_field=cfg.prompt_field, response_field=cfg.response_field, key="data.source"
     )
@@ -61,7 +83,7 @@ def load_splits(cfg: DataConfig, tok: Any) -> dict[str, SplitPrompts]:
         chosen = sorted(by_split[split], key=lambda r: r.prompt_id)
         limit = _limit(cfg, split)
         chosen = chosen[:limit] if limit else chosen
-        sp = SplitPrompts(split, [], len(chosen))
+        sp = SplitPrompts(split, [], len(chosen), in_split=len(by_split[split]))
         for rec in chosen:
             if cfg.responses == "dataset" and not rec.response:
                 sp.skipped["no_dataset_response"] = sp.skipped.get("no_dataset_response", 0) + 1
@@ -73,7 +95,14 @@ def load_splits(cfg: DataConfig, tok: Any) -> dict[str, SplitPrompts]:
             sp.prompts.append(Prompt(rec.prompt_id, ids, rec.response))
         out[split] = sp
     _check_not_empty(cfg, out["train"])
-    return out
+    counts = SourceCounts(
+        source=cfg.source,
+        records_read=pset.read,
+        dropped=dict(pset.skipped),
+        unique_prompts=len(pset.records),
+        by_split={s: len(v) for s, v in by_split.items()},
+    )
+    return out, counts
 
 
 def _check_not_empty(cfg: DataConfig, train: SplitPrompts) -> None:

@@ -5,25 +5,23 @@ Load and validate (nothing written on bad input) -> plan chunks of this job's sh
 into `datasets` folders + `manifest.json`. A killed run resumes at the first missing chunk; a finished run with
 the same config does nothing. Sharded builds (`data.num_shards` = S): run S jobs with `data.shard_index` =
 0..S-1 (same run.dir, e.g. on a shared disk); the job that finishes last merges, or run the merge by hand
-with `distill data -c CONFIG data.num_shards=S data.merge=true`.
+with `distill data -c CONFIG data.num_shards=S data.merge=true`. The merge holds `data/merge.lock`
+(`distill.data.lock`): a lock left by a killed merge does not block the next one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import logging
-import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distill.config import Config, config_hash, output_view, to_dict
-from distill.data import store
+from distill.data import lock, store
 from distill.data.config import DataConfig
 from distill.data.engines import (
     dataset_responses,
@@ -34,10 +32,11 @@ from distill.data.engines import (
     vllm_env,
     vllm_job,
 )
-from distill.data.format import CacheMeta, data_dir
+from distill.data.format import CacheMeta, data_dir, manifest_path
 from distill.data.prepare import (
     SPLITS,
     Prompt,
+    SourceCounts,
     SplitPrompts,
     chunks_of,
     load_splits,
@@ -50,8 +49,6 @@ from distill.utils.fs import atomic_write_json, read_json, remove_stale_temporar
 
 log = logging.getLogger("distill.data")
 
-# Keys that change how a build runs, not what it produces: they may differ between reruns and shard jobs.
-
 
 @dataclass
 class Context:
@@ -61,6 +58,7 @@ class Context:
     engine: str  # "vllm" | "hf" | "dataset"
     data_hash: str
     base: Path
+    clock: store.WallClock
     model: Any = None  # the target in transformers, loaded on first need
 
     @property
@@ -120,14 +118,24 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 def existing_state(cfg: Config, dhash: str) -> str:
-    """'none', 'complete' (same config, finished) or 'partial' (same config); raises on a different config."""
+    """'none', 'partial' (same config), 'complete' (same config, finished, outputs intact), 'damaged' (the
+    manifest says complete but a split or cache folder is missing or broken) or 'stale' (another config and
+    data.overwrite); raises on another config without data.overwrite."""
     run_dir = cfg.run_dir
     manifest = store.read_manifest(run_dir)
     previous: dict[str, Any] | None = None
     state = "none"
     if manifest is not None:
         if manifest.get("config_hash") == dhash:
-            return "complete"
+            problem = store.check_outputs(run_dir, manifest)
+            if problem is None:
+                return "complete"
+            log.warning(
+                "data: %s says the build is complete, but %s; discarding the manifest and rebuilding.",
+                manifest_path(run_dir),
+                problem,
+            )
+            return "damaged"
         previous = manifest.get("config")
     else:
         for job in sorted(data_dir(run_dir).glob("*/job.json")) + sorted(
@@ -163,7 +171,12 @@ def plan(ctx: Context, splits: dict[str, SplitPrompts]) -> dict[str, list[list[P
     return out
 
 
-def write_job(ctx: Context, splits: dict[str, SplitPrompts], chunks: dict[str, list[list[Prompt]]]) -> None:
+def write_job(
+    ctx: Context,
+    splits: dict[str, SplitPrompts],
+    source: SourceCounts,
+    chunks: dict[str, list[list[Prompt]]],
+) -> None:
     atomic_write_json(
         ctx.base / "job.json",
         {
@@ -171,8 +184,10 @@ def write_job(ctx: Context, splits: dict[str, SplitPrompts], chunks: dict[str, l
             "config": output_config(ctx.cfg),
             "shard_index": ctx.d.shard_index,
             "num_shards": ctx.d.num_shards,
+            "source": source.to_json(),
             "splits": {
                 s: {
+                    "prompts_in_split": splits[s].in_split,
                     "prompts_loaded": splits[s].loaded,
                     "prompts_usable": len(splits[s].prompts),
                     "skipped": splits[s].skipped,
@@ -252,6 +267,7 @@ def generate_hf(ctx: Context, pending: list[tuple[str, int, list[Prompt]]]) -> N
                 {"responses": responses, "gen_s": gen_s, "engine": "hf", "engine_version": _tf()},
             )
             bar.update(task, advance=len(ps), rate=f"{tokens / max(gen_total, 1e-9):.0f} tok/s")
+            ctx.clock.save()
 
 
 def _tf() -> str:
@@ -284,7 +300,7 @@ def generate_vllm(ctx: Context, pending: list[tuple[str, int, list[Prompt]]]) ->
     )
     log_path = ctx.cfg.run_dir / "logs" / "data-vllm-worker.log"
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_vllm, args=(pending, ctx.base, stop), daemon=True)
+    watcher = threading.Thread(target=_watch_vllm, args=(pending, ctx.base, stop, ctx.clock), daemon=True)
     watcher.start()
     try:
         result = run_worker(
@@ -305,7 +321,9 @@ def generate_vllm(ctx: Context, pending: list[tuple[str, int, list[Prompt]]]) ->
         )
 
 
-def _watch_vllm(pending: list[tuple[str, int, list[Prompt]]], base: Path, stop: threading.Event) -> None:
+def _watch_vllm(
+    pending: list[tuple[str, int, list[Prompt]]], base: Path, stop: threading.Event, clock: store.WallClock
+) -> None:
     """Progress of the worker subprocess, read from the chunk files it writes (engine start-up shows as 0)."""
     total = sum(len(ps) for _, _, ps in pending)
     with _progress() as bar:
@@ -325,6 +343,7 @@ def _watch_vllm(pending: list[tuple[str, int, list[Prompt]]], base: Path, stop: 
                 except (OSError, ValueError, KeyError):
                     pass
                 bar.update(task, advance=len(ps), rate=f"{tokens / max(gen_s, 1e-9):.0f} tok/s")
+            clock.save()
             if stop.wait(0.5) and (len(seen) >= len(pending) or not _any_new(pending, base, seen)):
                 break
 
@@ -458,6 +477,7 @@ def assemble(ctx: Context, chunks: dict[str, list[list[Prompt]]]) -> None:
             spent += time.perf_counter() - t0
             tokens += int(meta["response_tokens"])
             bar.update(task, advance=len(ps), rate=f"{tokens / max(spent, 1e-9):.0f} tok/s")
+            ctx.clock.save()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -486,8 +506,15 @@ def _cache_meta(cfg: Config) -> CacheMeta:
     return CacheMeta(k=min(cfg.data.logits.top_k, vocab), vocab_size=vocab, codec=cfg.data.logits.codec)
 
 
-def merge(cfg: Config, dhash: str, *, engine: str, tok_hash: str, wall_s: float) -> dict[str, Any]:
+def merge(cfg: Config, dhash: str, *, engine: str, tok_hash: str) -> dict[str, Any]:
+    """Join every shard's chunks into `data/<split>` (+ `data/topk/<split>`); returns the manifest, which
+    `_finish` writes. Run it holding the merge lock."""
     run_dir = cfg.run_dir
+    removed = store.remove_stale_output_temporaries(run_dir)
+    if removed:
+        log.info(
+            "data: removed %d temporaries left by an interrupted merge in %s", removed, data_dir(run_dir)
+        )
     bases = _shard_bases(run_dir, cfg.data.num_shards)
     jobs = [read_json(b / "job.json") for b in bases]
     splits_out: dict[str, Any] = {}
@@ -514,6 +541,7 @@ def merge(cfg: Config, dhash: str, *, engine: str, tok_hash: str, wall_s: float)
         store.save_split(run_dir, split, records)
         info = jobs[0]["splits"][split]
         splits_out[split] = {
+            "prompts_in_split": info.get("prompts_in_split"),
             "prompts_loaded": info["prompts_loaded"],
             "skipped": info["skipped"],
             "prompts_used": info["prompts_usable"],
@@ -526,7 +554,7 @@ def merge(cfg: Config, dhash: str, *, engine: str, tok_hash: str, wall_s: float)
             b, t = store.merge_cache(run_dir, split, chunk_dirs, _cache_meta(cfg))
             cache_bytes += b
             cache_tokens += t
-    manifest = {
+    return {
         "config_hash": dhash,
         "config": output_config(cfg),
         "target": cfg.target.model,
@@ -534,12 +562,14 @@ def merge(cfg: Config, dhash: str, *, engine: str, tok_hash: str, wall_s: float)
         "engine": engine,
         "engine_version": ", ".join(sorted(versions)) or None,
         "num_shards": cfg.data.num_shards,
+        "source": jobs[0].get("source"),
         "splits": splits_out,
         "generation_s": round(totals["gen_s"], 3),
         "generation_tokens_per_s": (
             round(totals["response_tokens"] / totals["gen_s"], 2) if totals["gen_s"] > 0 else None
         ),
-        "wall_s_last_invocation": round(wall_s, 3),
+        "wall_s_last_invocation": None,  # set by _finish
+        "wall_s_total": None,
         "cache": (
             {
                 "top_k": cfg.data.logits.top_k,
@@ -554,9 +584,6 @@ def merge(cfg: Config, dhash: str, *, engine: str, tok_hash: str, wall_s: float)
         ),
         "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    store.write_manifest(run_dir, manifest)
-    store.remove_work(run_dir)
-    return manifest
 
 
 def print_summary(manifest: dict[str, Any], run_dir: Path) -> None:
@@ -578,11 +605,20 @@ def print_summary(manifest: dict[str, Any], run_dir: Path) -> None:
             str(s["truncated_responses"]),
         )
     console = Console()
+    src = manifest.get("source")
+    if src:
+        dropped = "".join(f", {n} {why.replace('_', ' ')}" for why, n in src["dropped"].items())
+        console.print(
+            f"source {src['source']}: {src['records_read']} records read{dropped} -> {src['unique_prompts']} "
+            "prompts (before limits: " + ", ".join(f"{s} {n}" for s, n in src["by_split"].items()) + ")"
+        )
     console.print(table)
     rate = manifest["generation_tokens_per_s"]
     console.print(
         f"engine: {manifest['engine']} ({manifest['engine_version']}); generation "
-        f"{manifest['generation_s']:.1f} s" + (f", {rate:.1f} tokens/s" if rate else "")
+        f"{manifest['generation_s']:.1f} s"
+        + (f", {rate:.1f} tokens/s" if rate else "")
+        + f"; wall time {manifest['wall_s_total']:.1f} s over all invocations"
     )
     if manifest.get("cache"):
         c = manifest["cache"]
@@ -617,16 +653,22 @@ def _validate(cfg: Config) -> tuple[Path, Any, str]:
     return target_dir, tok, engine
 
 
-def _finish(cfg: Config, manifest: dict[str, Any], t0: float) -> int:
+def _finish(cfg: Config, manifest: dict[str, Any], t0: float, clock: store.WallClock | None) -> int:
+    """Write the manifest (wall times summed over every invocation of every shard job), drop the work folders,
+    record completion, print the summary. Runs under the merge lock, so no other job merges meanwhile."""
     from distill.rundir import mark_complete
 
+    own = clock.base if clock is not None else None
+    others = sum(store.read_wall(b) for b in _shard_bases(cfg.run_dir, cfg.data.num_shards) if b != own)
     manifest["wall_s_last_invocation"] = round(time.perf_counter() - t0, 3)
+    manifest["wall_s_total"] = round(others + (clock.total() if clock else time.perf_counter() - t0), 3)
     store.write_manifest(cfg.run_dir, manifest)
+    store.remove_work(cfg.run_dir)
     mark_complete(
         cfg,
         "data",
         {
-            "manifest": str(store.data_dir(cfg.run_dir) / "manifest.json"),
+            "manifest": str(manifest_path(cfg.run_dir)),
             "records": {s: v["records"] for s, v in manifest["splits"].items()},
         },
     )
@@ -635,40 +677,58 @@ def _finish(cfg: Config, manifest: dict[str, Any], t0: float) -> int:
 
 
 def _already_complete(cfg: Config) -> None:
-    """Tidy a finished build: work folders left by a kill after the manifest, a missing completion record."""
+    """Tidy a finished build: work folders and temporaries left by a kill after the manifest, a missing
+    completion record."""
     from distill.rundir import is_complete, mark_complete
 
-    store.remove_work(cfg.run_dir)
+    with lock.held(_lock_path(cfg)) as (got, _):
+        if got:  # no merge running: nothing of the stage's is being written
+            store.remove_work(cfg.run_dir)
+            store.remove_stale_output_temporaries(cfg.run_dir)
     if not is_complete(cfg, "data"):
-        mark_complete(cfg, "data", {"manifest": str(store.data_dir(cfg.run_dir) / "manifest.json")})
+        mark_complete(cfg, "data", {"manifest": str(manifest_path(cfg.run_dir))})
 
 
-@contextlib.contextmanager
-def merge_lock(cfg: Config, *, force: bool) -> Iterator[bool]:
-    """Only one of several shard jobs that finish together merges. `force` (data.merge=true) takes a stale lock
-    left by a killed merge."""
-    path = data_dir(cfg.run_dir) / "merge.lock"
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        os.close(fd)
-    except FileExistsError:
-        if not force:
-            yield False
-            return
-    try:
-        yield True
-    finally:
-        with contextlib.suppress(OSError):
-            path.unlink()
+def _discard_damaged(cfg: Config, dhash: str) -> str:
+    """A manifest whose outputs are gone or broken: drop it (and the completion record) so the build runs
+    again; returns the state that leaves ('partial' when work folders survived, else 'none')."""
+    from distill.rundir import clear_complete
+
+    manifest_path(cfg.run_dir).unlink(missing_ok=True)
+    clear_complete(cfg, "data")
+    return existing_state(cfg, dhash)
+
+
+def _lock_path(cfg: Config) -> Path:
+    return data_dir(cfg.run_dir) / "merge.lock"
+
+
+def _busy(cfg: Config, holder: lock.Holder | None) -> str:
+    who = holder.describe() if holder else "a job that is still writing the lock"
+    return f"{_lock_path(cfg)} is held by {who}"
+
+
+def _merge_and_finish(
+    cfg: Config, dhash: str, target_dir: Path, tok: Any, engine: str, t0: float, clock: store.WallClock | None
+) -> int:
+    """Merge under the lock (already held). A job that merged just before we got the lock leaves nothing to do."""
+    if existing_state(cfg, dhash) == "complete":
+        print(f"data: {data_dir(cfg.run_dir)} was merged by another job meanwhile; nothing to do.")
+        return 0
+    manifest = merge(cfg, dhash, engine=engine, tok_hash=tokenizer_hash(target_dir, tok))
+    return _finish(cfg, manifest, t0, clock)
 
 
 def run_merge_only(cfg: Config, dhash: str, target_dir: Path, tok: Any, engine: str, t0: float) -> int:
     from distill.rundir import start_stage
 
-    if existing_state(cfg, dhash) == "complete":
+    state = existing_state(cfg, dhash)
+    if state == "complete":
         _already_complete(cfg)
         print(f"data: {data_dir(cfg.run_dir)} is already complete for this config; nothing to do.")
         return 0
+    if state == "damaged":
+        _discard_damaged(cfg, dhash)
     missing = missing_shards(cfg, dhash)
     if missing:
         raise InputError(
@@ -676,9 +736,27 @@ def run_merge_only(cfg: Config, dhash: str, target_dir: Path, tok: Any, engine: 
             "with another config); run `distill data ... data.shard_index=I` for each first."
         )
     start_stage(cfg, "data")
-    with merge_lock(cfg, force=True):
-        manifest = merge(cfg, dhash, engine=engine, tok_hash=tokenizer_hash(target_dir, tok), wall_s=0.0)
-    return _finish(cfg, manifest, t0)
+    # force: also takes a lock whose holder cannot be checked from here (another host), never a live one here.
+    with lock.held(_lock_path(cfg), force=True) as (got, holder):
+        if not got:
+            raise RuntimeFailure(
+                f"data.merge: {_busy(cfg, holder)}, which is still running here; wait for it to finish."
+            )
+        return _merge_and_finish(cfg, dhash, target_dir, tok, engine, t0, None)
+
+
+def _merge_busy(cfg: Config, holder: lock.Holder | None) -> int:
+    if cfg.data.num_shards == 1:
+        # Only this build can merge its one shard: returning 0 here would leave the stage without a manifest.
+        raise RuntimeFailure(
+            f"data: cannot merge: {_busy(cfg, holder)}. If that job is still running, let it finish (it writes "
+            "the manifest); if it is gone, rerun with data.merge=true to take the lock over."
+        )
+    print(
+        f"data: another job is merging the shards ({_busy(cfg, holder)}); nothing left to do here. If that job "
+        "was killed, run the merge with data.merge=true."
+    )
+    return 0
 
 
 def run(cfg: Config) -> int:
@@ -698,23 +776,28 @@ def run(cfg: Config) -> int:
             "(set data.overwrite=true to rebuild)."
         )
         return 0
-    splits = load_splits(cfg.data, tok)
+    splits, source = load_splits(cfg.data, tok)
     start_stage(cfg, "data")
+    if state == "damaged":
+        state = _discard_damaged(cfg, dhash)
     if state == "stale":
         log.warning("data.overwrite=true: removing %s built with another config", data_dir(cfg.run_dir))
         shutil.rmtree(data_dir(cfg.run_dir), ignore_errors=True)
     base = store.work_dir(cfg.run_dir, cfg.data.shard_index, cfg.data.num_shards)
-    ctx = Context(cfg, target_dir, tok, engine, dhash, base)
+    ctx = Context(cfg, target_dir, tok, engine, dhash, base, store.WallClock(base, t0))
     for sub in (base, base / "gen", base / "chunks"):
         remove_stale_temporaries(sub)
     chunks = plan(ctx, splits)
-    write_job(ctx, splits, chunks)
+    write_job(ctx, splits, source, chunks)
     if state == "partial":
         log.info("data: resuming in %s", base)
-    pending = _pending_gen(ctx, chunks) if engine in ("hf", "vllm") else []
-    if pending:
-        (generate_vllm if engine == "vllm" else generate_hf)(ctx, pending)
-    assemble(ctx, chunks)
+    try:
+        pending = _pending_gen(ctx, chunks) if engine in ("hf", "vllm") else []
+        if pending:
+            (generate_vllm if engine == "vllm" else generate_hf)(ctx, pending)
+        assemble(ctx, chunks)
+    finally:
+        ctx.clock.save(force=True)  # also on failure / interrupt; a kill -9 loses at most `every_s`
     atomic_write_json(base / "done.json", {"config_hash": dhash})
     missing = missing_shards(cfg, dhash)
     if missing:
@@ -723,15 +806,7 @@ def run(cfg: Config) -> int:
             "The last job to finish merges (or run with data.merge=true)."
         )
         return 0
-    with merge_lock(cfg, force=False) as got:
+    with lock.held(_lock_path(cfg)) as (got, holder):
         if not got:
-            print("data: another job is merging the shards; nothing left to do here.")
-            return 0
-        manifest = merge(
-            cfg,
-            dhash,
-            engine=engine,
-            tok_hash=tokenizer_hash(target_dir, tok),
-            wall_s=time.perf_counter() - t0,
-        )
-    return _finish(cfg, manifest, t0)
+            return _merge_busy(cfg, holder)
+        return _merge_and_finish(cfg, dhash, target_dir, tok, engine, t0, ctx.clock)

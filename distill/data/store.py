@@ -4,24 +4,37 @@
         job.json               config hash + plan of this job
         gen/<split>-<c>.json   generated responses of chunk c (written by the engine as soon as produced)
         chunks/<split>-<c>/    records.json, meta.json, topk/ (one atomic folder per chunk: complete or absent)
+        wall.json              this job's wall time summed over its invocations (resumes included)
         done.json              all chunks of this job are in
 
 A chunk is `data.batch_size` consecutive prompts of this job's contiguous block of each split, so the plan is a
 pure function of the config: a rerun skips what exists and continues. The merge concatenates shards 0..S-1 and
 their chunks in order (= the prompts' order), writes `data/<split>`, `data/topk/<split>` and `manifest.json`,
-then removes the work folders.
+then removes the work folders. The merge runs under `data/merge.lock` (`distill.data.lock`); a merge killed
+mid-write leaves `.train.*.tmp`-style folders that the next merge removes (`remove_stale_output_temporaries`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from distill.data.format import CacheMeta, data_dir, manifest_path, split_dir, topk_dir, write_cache_folder
+from distill.data.format import (
+    CacheMeta,
+    TopKCache,
+    data_dir,
+    manifest_path,
+    split_dir,
+    topk_dir,
+    write_cache_folder,
+)
+from distill.data.prepare import SPLITS
 from distill.utils.fs import atomic_dir, atomic_write_json, read_json
 
 FEATURES_SPEC = {"input_ids": "int32", "loss_mask": "int8", "prompt_id": "string", "response_index": "int32"}
@@ -152,3 +165,87 @@ def remove_work(run_dir: Path) -> None:
     for p in (data_dir(run_dir) / "work", data_dir(run_dir) / "shards"):
         if p.exists():
             shutil.rmtree(p, ignore_errors=True)
+
+
+def check_outputs(run_dir: Path, manifest: dict[str, Any]) -> str | None:
+    """Why the outputs `manifest` describes are not all there (and readable, with its row counts); None if they
+    are. Cheap: the datasets are memory-mapped, the cache's index read."""
+    import datasets
+
+    for split, info in manifest.get("splits", {}).items():
+        want = int(info.get("records", -1))
+        folder = split_dir(run_dir, split)
+        try:
+            n = len(datasets.load_from_disk(str(folder)))
+        except Exception as exc:  # missing folder, deleted arrow file, bad json: all mean "not usable"
+            return f"{folder} is missing or unreadable ({type(exc).__name__}: {exc})"
+        if n != want:
+            return f"{folder} holds {n} rows where the manifest says {want}"
+        if manifest.get("cache"):
+            cdir = topk_dir(run_dir, split)
+            try:
+                cache = TopKCache(cdir)
+                blobs = (cdir / "blobs.bin").stat().st_size
+            except Exception as exc:
+                return f"the top-k cache {cdir} is missing or unreadable ({type(exc).__name__}: {exc})"
+            if len(cache) != want or blobs != cache.blob_bytes():
+                return f"the top-k cache {cdir} does not match {folder} (cut off, or from another build)"
+    return None
+
+
+_OUTPUT_TEMPORARIES = {
+    "": (*(f".{s}." for s in SPLITS), ".manifest.json.", ".merge.lock."),
+    "topk": tuple(f".{s}." for s in SPLITS),
+}
+
+
+def remove_stale_output_temporaries(run_dir: Path) -> int:
+    """Delete what a merge killed mid-write leaves in `data/` and `data/topk/`: the temporaries and swapped-out
+    copies of this stage's atomic writes (`.train.*.tmp`, `.val.old-<pid>`, `.manifest.json.*.tmp`, a stale
+    lock's `.merge.lock.*.stale`), nothing else. Call it holding the merge lock (no other merge is writing)."""
+    removed = 0
+    for sub, prefixes in _OUTPUT_TEMPORARIES.items():
+        folder = data_dir(run_dir) / sub if sub else data_dir(run_dir)
+        if not folder.is_dir():
+            continue
+        for p in folder.iterdir():
+            if not p.name.startswith(prefixes):
+                continue
+            if not (p.name.endswith((".tmp", ".stale")) or ".old-" in p.name):
+                continue
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            removed += 1
+    return removed
+
+
+def read_wall(base: Path) -> float:
+    try:
+        return float(read_json(base / "wall.json")["wall_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+class WallClock:
+    """One job's wall time summed over its invocations, kept in `<work>/wall.json` (`base` None: this invocation
+    only). Saved at most every `every_s` seconds while running, so a kill -9 loses at most that much."""
+
+    def __init__(self, base: Path | None, t0: float, every_s: float = 5.0):
+        self.base = base
+        self.before = read_wall(base) if base is not None else 0.0
+        self.t0 = t0
+        self.every_s = every_s
+        self._saved = t0
+
+    def total(self) -> float:
+        return self.before + time.perf_counter() - self.t0
+
+    def save(self, *, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.base is None or (not force and now - self._saved < self.every_s):
+            return
+        atomic_write_json(self.base / "wall.json", {"wall_s": round(self.total(), 3)})
+        self._saved = now
