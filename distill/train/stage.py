@@ -8,7 +8,6 @@ export `draft/` -> mark complete.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -45,9 +44,11 @@ def train_dir(run_dir: Path) -> Path:
 
 
 def is_child_rank() -> bool:
-    """True in the processes Lightning's `ddp` launcher (or a multi-node launch) starts besides rank 0: they
-    re-run this stage, and must not write the run folder's shared files."""
-    return int(os.environ.get("LOCAL_RANK", "0")) > 0 or int(os.environ.get("NODE_RANK", "0")) > 0
+    """True in every process of a multi-process launch besides rank 0 (srun tasks, torchrun, Lightning's `ddp`
+    re-execution, other nodes): they re-run this stage, and must not write the run folder's shared files."""
+    from distill.pipeline import launcher_rank  # the one rank rule, shared with `distill run`
+
+    return launcher_rank() != 0
 
 
 def loss_spec(cfg: Config) -> LossSpec:
