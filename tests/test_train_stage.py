@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -299,3 +300,95 @@ def test_rerun_of_finished_run_is_a_noop_resume(tiny_config_overrides, data_temp
     assert all(torch.equal(before[k], after[k]) for k in before)
     history = json.loads((cfg.run_dir / "train" / "val_history.json").read_text())
     assert [h["step"] for h in history] == [4]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Padded embedding tables
+
+
+@pytest.fixture(scope="session")
+def padded_target_dir(tmp_path_factory, tiny_target_dir) -> Path:
+    """The tiny target with its embedding tables padded from 512 (the tokenizer) to 576 rows, the padded output
+    rows scaled up so that they hold real probability mass (an untrained model's padding can)."""
+    from distill.models.draft import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(tiny_target_dir)
+    tok = load_tokenizer(tiny_target_dir)
+    assert len(tok) == 512
+    model.resize_token_embeddings(576, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[512:] = 2.0 * head[:64]
+    out = tmp_path_factory.mktemp("padded_target") / "model"
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def _spy_vocab(monkeypatch) -> list[int]:
+    import distill.train.stage as stage
+
+    seen: list[int] = []
+    real = stage.build_module
+
+    def build_module(cfg, draft, teacher, spec, vocab):
+        seen.append(vocab)
+        return real(cfg, draft, teacher, spec, vocab)
+
+    monkeypatch.setattr(stage, "build_module", build_module)
+    return seen
+
+
+def test_padded_embeddings_compare_the_tokenizer_rows_only(
+    tiny_config_overrides, data_template, padded_target_dir, monkeypatch
+):
+    from distill.models.draft import load_model_config
+    from distill.train.stage import run
+
+    seen = _spy_vocab(monkeypatch)
+    cfg = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        f"target.model={padded_target_dir}",
+        "train.max_steps=3",
+        "train.val_every=3",
+    )
+    run(cfg)
+    assert seen == [512]
+    assert int(load_model_config(cfg.run_dir / "draft").vocab_size) == 576  # the export keeps its table
+    final = json.loads((cfg.run_dir / "train" / "val_metrics.json").read_text())["final"]
+    assert 0.0 < final["expected_acceptance"] < 1.0
+
+
+def test_padded_target_cache_rows_past_the_tokenizer_train(
+    tiny_config_overrides, data_template, padded_target_dir, monkeypatch
+):
+    import datasets
+
+    from distill.data.format import data_dir, open_topk_cache, split_dir
+    from distill.models.draft import load_causal_lm
+    from distill.train.stage import run
+    from distill.train.synthetic import write_topk
+
+    seen = _spy_vocab(monkeypatch)
+    cfg = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        f"target.model={padded_target_dir}",
+        "train.max_steps=3",
+        "train.val_every=3",
+        "train.teacher=cached",
+    )
+    shutil.rmtree(data_dir(cfg.run_dir) / "topk")
+    model = load_causal_lm(padded_target_dir).eval()
+    for split in ("train", "val"):
+        rows = list(datasets.load_from_disk(str(split_dir(cfg.run_dir, split))))
+        write_topk(cfg.run_dir, split, model, rows, 16)
+    cache = open_topk_cache(cfg.run_dir, "train")
+    assert any(bool((torch.as_tensor(cache.get(i)[0]) >= 512).any()) for i in range(len(cache)))
+    run(cfg)
+    assert seen == [512]
+    base = json.loads((cfg.run_dir / "train" / "baseline.json").read_text())
+    final = json.loads((cfg.run_dir / "train" / "val_metrics.json").read_text())["final"]
+    assert all(math.isfinite(f["loss"]) for f in (base, final))
+    assert final["loss"] < base["loss"]

@@ -29,6 +29,8 @@ from distill.losses import (
 from distill.train.data import MicroBatch
 from distill.utils.fs import atomic_write_json, read_json
 
+EMPTY_LOGIT = -1e30  # a log-probability whose exp() is exactly 0.0 in float32 (as in `distill.losses`)
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -105,6 +107,32 @@ class ValAccumulator:
         }
 
 
+def fit_sparse_to_vocab(
+    student_logits: Tensor, teacher: SparseTeacher, vocab: int
+) -> tuple[Tensor, SparseTeacher]:
+    """Restrict cached top-k rows to the first `vocab` token ids (the shared tokenizer's length).
+
+    The cache holds the target's top-k over its whole, possibly padded, embedding table, while the student's
+    logits [N, vocab] stop at the tokenizer. Entries at ids >= vocab are dropped and the teacher renormalised
+    over the rest, as the dense path's softmax over the first `vocab` logits does. To keep k fixed, a dropped
+    entry points at one extra student column of (numerically) zero probability with teacher probability zero:
+    an empty bucket on both sides, which no divergence counts. Returns the (possibly widened) student logits
+    and the teacher; unchanged when no id reaches `vocab`. (Padded rows outside the top-k stay in the rest
+    bucket: the cache does not say how much of it they hold, a negligible share for trained models.)
+    """
+    outside = teacher.ids >= vocab
+    if not bool(outside.any()):
+        return student_logits, teacher
+    lp = teacher.logprobs.float()
+    dropped = torch.where(outside, lp, torch.full_like(lp, -math.inf)).logsumexp(-1)  # [N]
+    keep_log = torch.log1p(-dropped.exp().clamp(max=1.0 - 1e-6))  # log of the mass left
+    logprobs = torch.where(outside, torch.full_like(lp, EMPTY_LOGIT), lp - keep_log[:, None])
+    rest = teacher.rest_logmass.float() - keep_log
+    ids = teacher.ids.masked_fill(outside, vocab)
+    extra = torch.full_like(student_logits[:, :1], EMPTY_LOGIT)
+    return torch.cat([student_logits, extra], dim=-1), SparseTeacher(ids, logprobs, rest)
+
+
 def micro_teacher(teacher: Any | None, mb: MicroBatch, vocab: int) -> Tensor | SparseTeacher | None:
     """The teacher distribution for the micro-batch's counted tokens: cached rows or a no-grad forward."""
     if mb.teacher is not None:
@@ -113,6 +141,17 @@ def micro_teacher(teacher: Any | None, mb: MicroBatch, vocab: int) -> Tensor | S
         return None
     with torch.no_grad():
         return response_logits(teacher, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
+
+
+def student_and_teacher(
+    draft: Any, teacher: Any | None, mb: MicroBatch, vocab: int
+) -> tuple[Tensor, Tensor | SparseTeacher | None]:
+    """The draft's logits [N, vocab] (or vocab + 1, see `fit_sparse_to_vocab`) and the aligned teacher."""
+    s_logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
+    t = micro_teacher(teacher, mb, vocab)
+    if isinstance(t, SparseTeacher):
+        s_logits, t = fit_sparse_to_vocab(s_logits, t, vocab)
+    return s_logits, t
 
 
 def eval_micro(
@@ -126,8 +165,7 @@ def eval_micro(
 ) -> None:
     """Add one micro-batch's validation figures to `acc` (no grad)."""
     with torch.no_grad():
-        s_logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
-        t = micro_teacher(teacher, mb, vocab)
+        s_logits, t = student_and_teacher(draft, teacher, mb, vocab)
         if t is None:
             raise ValueError("validation needs a teacher (online model or top-k cache)")
         labels = select_labels(mb.input_ids, mb.loss_mask)
@@ -266,8 +304,7 @@ class DistillModule(L.LightningModule):
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         bad_rows: list[int] = []
         for mb in batch:
-            s_logits = response_logits(self.draft, mb.input_ids, mb.attention_mask, mb.loss_mask, self.vocab)
-            teacher = micro_teacher(self.teacher, mb, self.vocab)
+            s_logits, teacher = student_and_teacher(self.draft, self.teacher, mb, self.vocab)
             loss_sum = per_token_loss(
                 self.spec, s_logits, select_labels(mb.input_ids, mb.loss_mask), teacher
             ).sum()

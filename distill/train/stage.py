@@ -51,6 +51,22 @@ def is_child_rank() -> bool:
     return launcher_rank() != 0
 
 
+def shared_vocab(tokenizer_len: int, draft_rows: int, target_rows: int) -> int:
+    """The vocabulary the distributions are compared over: the shared tokenizer's length. Embedding tables padded
+    past it (to a multiple of 64, ...) have rows no token id reaches; they must not enter the KL. When a table is
+    smaller than the tokenizer (an inconsistent folder), the rows both tables have."""
+    rows = min(draft_rows, target_rows)
+    if tokenizer_len > rows:
+        log.warning(
+            "the tokenizer has %d tokens but an embedding table only %d rows; comparing the first %d",
+            tokenizer_len,
+            rows,
+            rows,
+        )
+        return rows
+    return tokenizer_len
+
+
 def loss_spec(cfg: Config) -> LossSpec:
     t = cfg.train
     return LossSpec(t.loss_weight_map(), jsd_beta=t.jsd_beta, temperature=t.kd_temperature)
@@ -372,8 +388,9 @@ def run(cfg: Config) -> int | None:
     tokenizer = load_tokenizer(plan.target_dir, trust_remote_code=cfg.target.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     draft = build_initial_draft(cfg, plan.target_dir)
-    # Compare distributions over the rows both embedding tables have (tables may be padded past the tokenizer).
-    vocab = min(int(draft.config.vocab_size), int(load_model_config(plan.target_dir).vocab_size))
+    vocab = shared_vocab(
+        len(tokenizer), int(draft.config.vocab_size), int(load_model_config(plan.target_dir).vocab_size)
+    )
     teacher = load_teacher(cfg, plan.target_dir)
     baseline: dict[str, Any] | None = None
     if not child:
