@@ -303,7 +303,45 @@ def test_rerun_of_finished_run_is_a_noop_resume(tiny_config_overrides, data_temp
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Padded embedding tables
+# Checkpoint fallback, padded embedding tables
+
+
+def test_unreadable_last_checkpoint_falls_back_to_the_newest_valid_one(
+    tiny_config_overrides, data_template, tmp_path
+):
+    from distill.train.stage import run, validate
+
+    steps = ["train.max_steps=3", "train.val_every=3", "train.ckpt_every=1"]
+    cfg = make_cfg(tiny_config_overrides, data_template, *steps)
+    run(cfg)
+    td = cfg.run_dir / "train"
+    last = td / "last.ckpt"
+    last.write_bytes(b"not a checkpoint")
+    with pytest.raises(InputError, match="no other checkpoint in .* to fall back to"):
+        validate(cfg)
+
+    # Candidates that are no good are named; files that are not checkpoints are not candidates.
+    (td / "old.ckpt").write_bytes(b"broken too")
+    (td / "notes.txt").write_text("not a checkpoint")
+    foreign = make_cfg(
+        tiny_config_overrides, data_template, *steps, "train.lr=0.5", f"run.dir={tmp_path / 'f'}"
+    )
+    run(foreign)
+    shutil.copy(foreign.run_dir / "train" / "last.ckpt", td / "foreign.ckpt")
+    with pytest.raises(
+        InputError, match=r"foreign\.ckpt trained with a different config; old\.ckpt cannot be"
+    ):
+        validate(cfg)
+
+    # The same training in another folder: a valid checkpoint, the newest, so it is the one resumed.
+    twin = make_cfg(tiny_config_overrides, data_template, *steps, f"run.dir={tmp_path / 'twin'}")
+    run(twin)
+    shutil.copy(twin.run_dir / "train" / "last.ckpt", td / "backup.ckpt")
+    assert validate(cfg).resume_from == td / "backup.ckpt"
+    run(cfg)  # resumes at max_steps: exports, and last.ckpt is valid again
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 3
+    assert validate(cfg).resume_from == last
+    assert_same_weights(cfg.run_dir / "draft", twin.run_dir / "draft")
 
 
 @pytest.fixture(scope="session")

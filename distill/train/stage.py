@@ -8,6 +8,7 @@ export `draft/` -> mark complete.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -110,23 +111,52 @@ def _check_data(cfg: Config) -> tuple[int, int]:
     return len(train), len(val)
 
 
+OTHER_CONFIG = "trained with a different config"
+
+
+def _ckpt_problem(path: Path, stage_hash: str) -> str | None:
+    """None when `path` loads safely and was trained with `stage_hash`, else what is wrong with it."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        return f"cannot be loaded safely ({type(exc).__name__}: {exc})"
+    saved = (state.get("hyper_parameters") or {}).get("stage_hash")
+    return None if saved == stage_hash else OTHER_CONFIG
+
+
+def _other_checkpoints(ckpt: Path) -> list[Path]:
+    """Other checkpoints beside `ckpt` (copies, ModelCheckpoint files), newest first; temporaries excluded."""
+    others = [p for p in ckpt.parent.glob("*.ckpt") if p.name != ckpt.name and p.is_file()]
+    return sorted(others, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def _check_resume(cfg: Config, ckpt: Path) -> Path | None:
+    """The newest valid checkpoint to resume from: `last.ckpt`, or when it cannot be loaded, the newest other
+    checkpoint in train/ that loads and was trained with this config."""
     if cfg.train.resume == "never" or not ckpt.is_file():
         return None
-    try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    except Exception as exc:
+    want = rundir.stage_hash(cfg, "train")
+    problem = _ckpt_problem(ckpt, want)
+    if problem is None:
+        return ckpt
+    if problem == OTHER_CONFIG:
         raise InputError(
-            f"{ckpt}: cannot be loaded safely ({type(exc).__name__}: {exc}). Delete it or set train.resume=never "
-            "to start over."
-        ) from exc
-    saved = (state.get("hyper_parameters") or {}).get("stage_hash")
-    if saved != rundir.stage_hash(cfg, "train"):
-        raise InputError(
-            f"{ckpt}: this checkpoint was trained with a different config (target/draft/data/train sections or "
-            "run.seed). Use a new run.dir, restore the config, or set train.resume=never to start over."
+            f"{ckpt}: this checkpoint was trained with a different config (target/draft/data/train sections "
+            "or run.seed). Use a new run.dir, restore the config, or set train.resume=never to start over."
         )
-    return ckpt
+    tried = []
+    for other in _other_checkpoints(ckpt):
+        why = _ckpt_problem(other, want)
+        if why is None:
+            log.warning("%s %s; resuming from %s instead", ckpt, problem, other)
+            return other
+        tried.append(f"{other.name} {why}")
+    fallback = (
+        f"no other checkpoint there is usable: {'; '.join(tried)}"
+        if tried
+        else f"there is no other checkpoint in {ckpt.parent} to fall back to"
+    )
+    raise InputError(f"{ckpt}: {problem}, and {fallback}. Delete it or set train.resume=never to start over.")
 
 
 def _check_models(cfg: Config) -> Path:
@@ -353,6 +383,18 @@ def _fit(trainer: Any, module: Any, dm: Any, plan: Plan, stop: StopFlag) -> None
         raise Interrupted("received SIGTERM; checkpoint saved, rerun the same command to resume.")
 
 
+def _restore_last(plan: Plan) -> None:
+    """After falling back to another checkpoint, copy it over the unreadable `last.ckpt` (atomically), so that
+    `last.ckpt` is valid again even when no further step runs."""
+    import shutil
+
+    assert plan.resume_from is not None
+    tmp = plan.ckpt_path.with_name(f".{plan.ckpt_path.name}.restore.tmp")
+    shutil.copyfile(plan.resume_from, tmp)
+    os.replace(tmp, plan.ckpt_path)
+    log.warning("replaced the unreadable %s with a copy of %s", plan.ckpt_path, plan.resume_from)
+
+
 def _export(cfg: Config, module: Any, tokenizer: Any, target_dir: Path) -> Path:
     from distill.models.draft import save_hf_folder
 
@@ -373,6 +415,8 @@ def run(cfg: Config) -> int | None:
         plan.train_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(plan.train_dir)
         remove_stale_temporaries(cfg.run_dir)
+        if plan.resume_from not in (None, plan.ckpt_path):
+            _restore_last(plan)
         if plan.resume_from is None:  # a fresh start: earlier validations belong to another training
             for stale in ("val_history.json", "baseline.json", "val_metrics.json"):
                 (plan.train_dir / stale).unlink(missing_ok=True)
