@@ -11,7 +11,16 @@ import subprocess
 
 import pytest
 import torch
-from test_train_stage import FAST, REPO, _cli, _env, data_template, make_cfg, max_weight_diff  # noqa: F401
+from test_train_stage import (  # noqa: F401
+    FAST,
+    REPO,
+    _cli,
+    _env,
+    csv_val_rows,
+    data_template,
+    make_cfg,
+    max_weight_diff,
+)
 
 COMMON = ["train.max_steps=4", "train.val_every=4", "train.ckpt_every=4", "train.accelerator=cpu"]
 
@@ -56,6 +65,7 @@ def test_ddp_spawn_two_processes_match_one(one_process, tiny_config_overrides, d
     )
     run(two)
     _assert_same_training(one_process, two)
+    assert 0 in csv_val_rows(two.run_dir / "train" / "metrics.csv")  # the baseline, logged by spawned rank 0
 
 
 @pytest.mark.slow
@@ -78,6 +88,7 @@ def test_cli_ddp_two_processes_match_one(one_process, tiny_config_overrides, dat
     )
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_same_training(one_process, two)
+    assert 0 in csv_val_rows(two.run_dir / "train" / "metrics.csv")
 
 
 def test_fsdp_needs_gpu_or_runs(tiny_config_overrides, data_template, tmp_path):  # noqa: F811

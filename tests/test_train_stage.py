@@ -56,6 +56,25 @@ def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
     assert worst <= atol, f"weights differ by {worst}"
 
 
+def csv_val_rows(path: Path) -> dict[int, float]:
+    """step -> val/expected_acceptance of the rows that carry it (one per validation)."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val/expected_acceptance")]
+    steps = [int(r["step"]) for r in rows]
+    assert len(steps) == len(set(steps)), f"validation rows repeated: {steps}"
+    return {int(r["step"]): float(r["val/expected_acceptance"]) for r in rows}
+
+
+def tensorboard_scalars(train_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(train_dir / "tensorboard"))
+    acc.Reload()
+    return sorted((e.step, e.value) for e in acc.Scalars(tag))
+
+
 def test_smoke_acceptance_rises_and_export_loads(tiny_config_overrides, data_template):
     from transformers import AutoModelForCausalLM
 
@@ -82,6 +101,12 @@ def test_smoke_acceptance_rises_and_export_loads(tiny_config_overrides, data_tem
     )
     assert list((td / "tensorboard").rglob("events.out.tfevents.*"))
     assert (rd / "draft_init" / "model.safetensors").is_file()
+    # The undistilled draft is the curves' step 0, in metrics.csv and in TensorBoard (Lightning logs the
+    # validation after step n at its 0-based batch index n - 1).
+    assert csv_val_rows(td / "metrics.csv")[0] == pytest.approx(base["expected_acceptance"])
+    tb = tensorboard_scalars(td, "val/expected_acceptance")
+    assert [s for s, _ in tb] == [0, 9, 19, 29]
+    assert tb[0][1] == pytest.approx(base["expected_acceptance"])
 
     # The export is an HF folder whose logits equal the trained weights in the final checkpoint.
     exported = AutoModelForCausalLM.from_pretrained(str(rd / "draft"))
@@ -267,6 +292,7 @@ def test_resume_after_kill9_and_sigterm_match_uninterrupted(tiny_config_override
         assert done.returncode == 0, done.stderr[-3000:]
         assert "resuming from" in (cfg.run_dir / "distill.log").read_text()
         assert_same_weights(runs["full"][0].run_dir / "draft", cfg.run_dir / "draft")
+        assert 0 in csv_val_rows(cfg.run_dir / "train" / "metrics.csv")  # the first attempt's baseline row
 
 
 def test_bf16_mixed_with_bf16_teacher_runs(tiny_config_overrides, data_template):
@@ -300,6 +326,7 @@ def test_rerun_of_finished_run_is_a_noop_resume(tiny_config_overrides, data_temp
     assert all(torch.equal(before[k], after[k]) for k in before)
     history = json.loads((cfg.run_dir / "train" / "val_history.json").read_text())
     assert [h["step"] for h in history] == [4]
+    assert sorted(csv_val_rows(cfg.run_dir / "train" / "metrics.csv")) == [0, 3]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -195,6 +195,20 @@ def evaluate_draft(
     return acc.summary()
 
 
+def val_log_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The logged validation figures (`val/...` overall, `val_pos/..._<position>` per position) of a summary."""
+    metrics = {
+        "val/loss": summary["loss"],
+        "val/expected_acceptance": summary["expected_acceptance"],
+        "val/top1_agreement": summary["top1_agreement"],
+    }
+    for lab, pos in summary["per_position"].items():
+        if pos["tokens"]:
+            metrics[f"val_pos/expected_acceptance_{lab}"] = pos["expected_acceptance"]
+            metrics[f"val_pos/top1_agreement_{lab}"] = pos["top1_agreement"]
+    return metrics
+
+
 def read_history(path: Path) -> list[dict[str, Any]]:
     """Validation summaries written so far (one per validation, by step)."""
     if not Path(path).is_file():
@@ -260,6 +274,8 @@ class DistillModule(L.LightningModule):
         self.save_hyperparameters(hparams)  # plain containers only: safe `weights_only` loading
         self.history_path = history_path
         self.eval_step: int | None = None
+        # The undistilled draft's validation summary (rank 0), logged at step 0 of a fresh start.
+        self.baseline: dict[str, Any] | None = None
         self._val_acc: ValAccumulator | None = None
         self._t_last: float | None = None
 
@@ -277,6 +293,14 @@ class DistillModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.teacher is not None:
             self.teacher.to(self.device).eval()
+
+    def on_train_start(self) -> None:
+        # A resumed run (global_step > 0) already logged it in its first attempt's files.
+        if self.baseline is None or self.global_step != 0:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(val_log_metrics(self.baseline), step=0)
+            logger.save()  # to disk now: an attempt killed before its first flush would lose the row
 
     def configure_optimizers(self) -> Any:
         oc = self.optim
@@ -376,14 +400,6 @@ class DistillModule(L.LightningModule):
         summary["step"] = int(self.global_step) if fitting or self.eval_step is None else self.eval_step
         if self.trainer.is_global_zero and self.history_path is not None:
             append_history(self.history_path, summary)
-        metrics = {
-            "val/loss": summary["loss"],
-            "val/expected_acceptance": summary["expected_acceptance"],
-            "val/top1_agreement": summary["top1_agreement"],
-        }
-        for lab, pos in summary["per_position"].items():
-            if pos["tokens"]:
-                metrics[f"val_pos/expected_acceptance_{lab}"] = pos["expected_acceptance"]
-                metrics[f"val_pos/top1_agreement_{lab}"] = pos["top1_agreement"]
+        metrics = val_log_metrics(summary)
         self.log_dict(metrics, prog_bar=False, sync_dist=False, rank_zero_only=True)
         self.log("val_acc", summary["expected_acceptance"], prog_bar=True, logger=False, rank_zero_only=True)

@@ -443,6 +443,7 @@ def run(cfg: Config) -> int | None:
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     stop = StopFlag()
     module = build_module(cfg, draft, teacher, plan.spec, vocab)
+    module.baseline = baseline  # logged at step 0 of a fresh start, so the curves show the gain
     dm = build_datamodule(cfg, pad_id)
     trainer = build_trainer(cfg, plan, stop)
     t0 = time.perf_counter()
