@@ -125,10 +125,14 @@ def test_fsdp_needs_gpu_or_runs(tiny_config_overrides, data_template, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_ddp_sigterm_saves_exits_130_and_resumes(tiny_config_overrides, data_template, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("how", ["sigterm_rank0", "ctrl_c_all_ranks"])
+def test_cli_ddp_signal_saves_exits_130_and_resumes(tiny_config_overrides, data_template, tmp_path, how):  # noqa: F811
     import signal
 
     from test_train_stage import _start_and_signal
+
+    # A scheduler signals the launched process (rank 0); a terminal's Ctrl-C reaches every rank at once.
+    sig, group = (signal.SIGTERM, False) if how == "sigterm_rank0" else (signal.SIGINT, True)
 
     extra = [
         "train.max_steps=30",
@@ -143,7 +147,7 @@ def test_cli_ddp_sigterm_saves_exits_130_and_resumes(tiny_config_overrides, data
     cfg = make_cfg(tiny_config_overrides, data_template, *extra)
     args = _cli([*tiny_config_overrides, *FAST, *extra])
     ckpt = cfg.run_dir / "train" / "last.ckpt"
-    rc = _start_and_signal(args, ckpt, signal.SIGTERM, tmp_path / "term.log")
+    rc = _start_and_signal(args, ckpt, sig, tmp_path / "term.log", group=group)
     assert rc == 130, (tmp_path / "term.log").read_text()[-3000:]
     assert not (cfg.run_dir / "draft").exists()
     step = torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]

@@ -1,7 +1,9 @@
-"""Unit tests of train-stage parts: launcher ranks, the compared vocabulary, cached rows past the
-tokenizer."""
+"""Unit tests of train-stage parts: launcher ranks, the compared vocabulary, cached rows past the tokenizer,
+the stop flag."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 import torch
@@ -95,3 +97,16 @@ def test_cached_rows_past_the_tokenizer_equal_dense_over_the_tokenizer():
     inside = SparseTeacher(order[:, :3].clamp(max=vocab - 1), lp[:, :3], lp[:, 3:].logsumexp(-1))
     same_s, same_t = fit_sparse_to_vocab(s_logits, inside, vocab)
     assert same_s is s_logits and same_t is inside
+
+
+def test_stop_flag_second_ctrl_c_stops_at_once():
+    from distill.train.callbacks import StopFlag
+
+    flag = StopFlag()
+    flag.handler(signal.SIGINT, None)
+    assert flag.requested and not flag.forced and flag.signal_name == "SIGINT"
+    flag.handler(signal.SIGTERM, None)  # a scheduler's repeated SIGTERM just waits for the step boundary
+    assert not flag.forced
+    with pytest.raises(KeyboardInterrupt):
+        flag.handler(signal.SIGINT, None)
+    assert flag.forced

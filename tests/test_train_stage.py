@@ -257,15 +257,22 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 
-def _start_and_signal(args: list[str], ckpt: Path, sig: int, log: Path) -> int:
-    """Start a training process, send `sig` once its first checkpoint exists, return its exit code."""
+def _start_and_signal(args: list[str], ckpt: Path, sig: int, log: Path, *, group: bool = False) -> int:
+    """Start a training process, send `sig` once its first checkpoint exists, return its exit code.
+
+    `group`: signal its whole process group, as a terminal's Ctrl-C does (every DDP rank gets it)."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            args, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=group
+        )
         deadline = time.time() + 300
         while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         if proc.poll() is None:
-            proc.send_signal(sig)
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
         return proc.wait(timeout=300)
 
 
@@ -273,14 +280,18 @@ def _start_and_signal(args: list[str], ckpt: Path, sig: int, log: Path) -> int:
 def test_resume_after_kill9_and_sigterm_match_uninterrupted(tiny_config_overrides, data_template, tmp_path):
     steps = ["train.max_steps=40", "train.ckpt_every=3", "train.val_every=20"]
     runs = {}
-    for name in ("full", "kill9", "sigterm"):
+    for name in ("full", "kill9", "sigterm", "sigint"):
         cfg = make_cfg(tiny_config_overrides, data_template, *steps, f"run.dir={tmp_path / name}")
         runs[name] = (cfg, _cli([*tiny_config_overrides, *FAST, *steps, f"run.dir={cfg.run_dir}"]))
 
     cfg, args = runs["full"]
     assert subprocess.run(args, cwd=REPO, env=_env(), capture_output=True).returncode == 0
 
-    for name, sig, want_rc in (("kill9", signal.SIGKILL, -signal.SIGKILL), ("sigterm", signal.SIGTERM, 130)):
+    for name, sig, want_rc in (
+        ("kill9", signal.SIGKILL, -signal.SIGKILL),
+        ("sigterm", signal.SIGTERM, 130),
+        ("sigint", signal.SIGINT, 130),  # Ctrl-C: Lightning alone would exit 1 without saving
+    ):
         cfg, args = runs[name]
         ckpt = cfg.run_dir / "train" / "last.ckpt"
         rc = _start_and_signal(args, ckpt, sig, tmp_path / f"{name}.log")
@@ -330,7 +341,56 @@ def test_rerun_of_finished_run_is_a_noop_resume(tiny_config_overrides, data_temp
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Checkpoint fallback, padded embedding tables
+# Ctrl-C in process, checkpoint fallback, padded embedding tables
+
+
+def _signal_at_step(monkeypatch, step: int, times: int = 1) -> None:
+    """Send SIGINT to this process `times` times in the training step that ends at global step `step`."""
+    import distill.train.module as module
+
+    real = module.DistillModule._log_train
+
+    def log_train(self, *a, **k):
+        if self.global_step == step:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(module.DistillModule, "_log_train", log_train)
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_resumes(tiny_config_overrides, data_template, monkeypatch):
+    from distill.errors import Interrupted
+    from distill.train.stage import run
+
+    cfg = make_cfg(tiny_config_overrides, data_template, "train.max_steps=6", "train.val_every=3")
+    ckpt = cfg.run_dir / "train" / "last.ckpt"
+    handler = signal.getsignal(signal.SIGINT)
+    with monkeypatch.context() as m:
+        _signal_at_step(m, 2)
+        with pytest.raises(Interrupted, match="SIGINT"):  # not Lightning's sys.exit(1)
+            run(cfg)
+    assert signal.getsignal(signal.SIGINT) is handler  # restored for the rest of the process
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 2
+    assert not (cfg.run_dir / "draft").exists()
+    run(cfg)
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 6
+    assert (cfg.run_dir / "draft" / "model.safetensors").is_file()
+
+
+def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
+    tiny_config_overrides, data_template, monkeypatch
+):
+    from distill.errors import Interrupted
+    from distill.train.stage import run
+
+    cfg = make_cfg(tiny_config_overrides, data_template, "train.max_steps=6", "train.ckpt_every=1")
+    _signal_at_step(monkeypatch, 2, times=2)
+    with pytest.raises(Interrupted, match="second Ctrl-C"):
+        run(cfg)
+    # Stopped inside step 2, before its checkpoint: the one of step 1 is the last, and it is valid.
+    ckpt = cfg.run_dir / "train" / "last.ckpt"
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 1
 
 
 def test_unreadable_last_checkpoint_falls_back_to_the_newest_valid_one(

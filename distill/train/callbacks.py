@@ -1,4 +1,10 @@
-"""Atomic checkpoints (`last.ckpt` is always a complete file) and SIGTERM -> save -> exit 130."""
+"""Atomic checkpoints (`last.ckpt` is always a complete file) and SIGTERM / Ctrl-C -> save -> exit 130.
+
+Lightning catches KeyboardInterrupt inside `fit` and calls `sys.exit(1)` (lightning 2.6,
+`trainer/call.py`), so a plain Ctrl-C would neither save nor exit 130: while Lightning runs, SIGINT is handled
+like SIGTERM (a flag acted on at the next step boundary). A second Ctrl-C stops at once; the last checkpoint
+written stays valid.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -18,15 +25,52 @@ from distill.errors import Interrupted
 log = logging.getLogger("distill.train")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 class StopFlag:
-    """Set by the SIGTERM handler during `fit`; acted on at the next step boundary, where the model,
-    optimizer and data position are consistent (a signal mid-step would otherwise save a half-applied step)."""
+    """Set by the SIGTERM / SIGINT handler during `fit`; acted on at the next step boundary, where the model,
+    optimizer and data position are consistent (a signal mid-step would otherwise save a half-applied step).
+
+    A second SIGINT raises KeyboardInterrupt at once (`forced`): the user does not want to wait for the step.
+    """
 
     def __init__(self) -> None:
         self.requested = False
+        self.forced = False
+        self.signal_name = "a stop signal"  # on another rank: ranks agree at the step boundary
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested and signum == signal.SIGINT:
+            self.forced = True
+            raise KeyboardInterrupt
+        if not self.requested:
+            self.signal_name = signal.Signals(signum).name
+            log.warning(
+                "received %s: saving a checkpoint at the end of this step, then stopping%s",
+                self.signal_name,
+                " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "",
+            )
         self.requested = True
+
+
+@contextlib.contextmanager
+def handle_signals(
+    handler: Callable[[int, FrameType | None], Any], signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+) -> Iterator[None]:
+    """Install `handler` for `signals` (main thread only: Python allows no other), restore the old ones after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in signals}
+    for s in signals:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            if old is not None:  # None: a handler not installed from Python, which cannot be restored
+                signal.signal(s, old)
 
 
 class AtomicCheckpoint(Callback):
@@ -41,9 +85,11 @@ class AtomicCheckpoint(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning installs its own SIGTERM handler when fit starts; under DDP it broadcasts from inside the
         # handler, which deadlocks when the signal lands mid-collective. Ours only sets a flag; the ranks agree
-        # on it at the next step boundary. (Lightning restores the previous handler at teardown.)
+        # on it at the next step boundary. SIGINT likewise (spawned ranks get here without `_fit`'s handlers).
+        # Lightning restores the previous handlers at teardown.
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.stop.handler)
+            for s in STOP_SIGNALS:
+                signal.signal(s, self.stop.handler)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -57,8 +103,8 @@ class AtomicCheckpoint(Callback):
         if stop:
             self.stop.requested = True
             raise Interrupted(
-                f"received SIGTERM; checkpoint of step {step} saved to {self.path}, rerun the same "
-                "command to resume."
+                f"received {self.stop.signal_name}; checkpoint of step {step} saved to {self.path}, rerun the "
+                "same command to resume."
             )
 
     def save(self, trainer: Any) -> None:

@@ -1,8 +1,8 @@
 """`distill train`: distil the draft on the target's distributions over the data stage's responses.
 
 Validate everything (model references, vocabulary, data, checkpoint) -> record the stage -> build the draft
-and save it as `draft_init/` -> measure the undistilled draft -> Lightning fit (resumable, SIGTERM-safe) ->
-export `draft/` -> mark complete.
+and save it as `draft_init/` -> measure the undistilled draft -> Lightning fit (resumable; SIGTERM and Ctrl-C
+save and exit 130) -> export `draft/` -> mark complete.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from distill import rundir
 from distill.config import Config, to_dict
 from distill.errors import InputError, Interrupted
 from distill.losses import LossSpec
-from distill.train.callbacks import AtomicCheckpoint, StopFlag
+from distill.train.callbacks import AtomicCheckpoint, StopFlag, handle_signals
 from distill.utils.fs import atomic_write_json, read_json, remove_stale_temporaries
 
 log = logging.getLogger("distill.train")
@@ -362,25 +362,24 @@ def _baseline(
 
 
 def _fit(trainer: Any, module: Any, dm: Any, plan: Plan, stop: StopFlag) -> None:
-    """trainer.fit with SIGTERM turned into "save at the next step boundary, then exit 130"."""
-    import threading
-
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
-    if main:
-        signal.signal(signal.SIGTERM, stop.handler)
+    """trainer.fit with SIGTERM and Ctrl-C turned into "save at the next step boundary, then exit 130"."""
     try:
-        trainer.fit(
-            module,
-            datamodule=dm,
-            ckpt_path=str(plan.resume_from) if plan.resume_from else None,
-            weights_only=True,
-        )
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        with handle_signals(stop.handler):
+            trainer.fit(
+                module,
+                datamodule=dm,
+                ckpt_path=str(plan.resume_from) if plan.resume_from else None,
+                weights_only=True,
+            )
+    except SystemExit as exc:  # Lightning turns the KeyboardInterrupt of a second Ctrl-C into sys.exit(1)
+        if not stop.forced:
+            raise
+        raise Interrupted(
+            f"stopped at once by a second Ctrl-C; {plan.ckpt_path} holds the last checkpoint saved, rerun the "
+            "same command to resume from it."
+        ) from exc
     if stop.requested:  # the signal came after the last step boundary: the final checkpoint is already saved
-        raise Interrupted("received SIGTERM; checkpoint saved, rerun the same command to resume.")
+        raise Interrupted(f"received {stop.signal_name}; checkpoint saved, rerun the same command to resume.")
 
 
 def _restore_last(plan: Plan) -> None:
@@ -393,6 +392,15 @@ def _restore_last(plan: Plan) -> None:
     shutil.copyfile(plan.resume_from, tmp)
     os.replace(tmp, plan.ckpt_path)
     log.warning("replaced the unreadable %s with a copy of %s", plan.ckpt_path, plan.resume_from)
+
+
+def _interrupt_now(signum: int, frame: Any) -> None:
+    # Inside a Lightning call but outside fit's step loop: raise what Lightning re-raises (an Exception), not
+    # the KeyboardInterrupt it would turn into exit code 1.
+    raise Interrupted(
+        f"received {signal.Signals(signum).name} after the last training step (its checkpoint is saved); rerun "
+        "the same command to finish."
+    )
 
 
 def _export(cfg: Config, module: Any, tokenizer: Any, target_dir: Path) -> Path:
@@ -454,7 +462,8 @@ def run(cfg: Config) -> int | None:
     steps = cfg.train.max_steps
     if steps % cfg.train.val_every:
         module.eval_step = steps
-        trainer.validate(module, datamodule=dm, verbose=False)
+        with handle_signals(_interrupt_now):
+            trainer.validate(module, datamodule=dm, verbose=False)
     if not trainer.is_global_zero or child:
         return None
     _finish(cfg, plan, module, steps, tokenizer, baseline, time.perf_counter() - t0)
