@@ -73,6 +73,21 @@ class DraftConfig:
         None, "Tie input embeddings and output head for `init: config`; null = as the target does."
     )
     trust_remote_code: bool = opt(False, "Allow model code shipped with a `pretrained` draft.")
+    parallel_tokens: int = opt(
+        0,
+        "Parallel drafting (PARD): train the draft to propose this many tokens in ONE forward pass, from "
+        "mask tokens placed after the last real token (vLLM `parallel_drafting`; a round then costs about one "
+        "draft step instead of k, which is what makes drafting pay on a CPU). 0 = ordinary autoregressive "
+        "drafting. Eval uses k <= this value for such a draft.",
+        ge=0,
+    )
+    mask_token_id: int | None = opt(
+        None,
+        "Token id of the parallel-drafting mask (written as `pard_token` in the draft's config.json); null = "
+        "the highest special token that is not BOS/EOS/PAD/UNK and not in the chat template, else the last "
+        "vocabulary id.",
+        ge=0,
+    )
 
 
 @dataclass
@@ -241,6 +256,11 @@ def _section_problems(cfg: Config) -> list[str]:
         problems.append(
             f"draft.hidden_size: {d.hidden_size} must be a multiple of draft.num_attention_heads "
             f"({d.num_attention_heads})."
+        )
+    if d.parallel_tokens == 1:
+        problems.append(
+            "draft.parallel_tokens: 1 proposal per round is ordinary drafting; use 0 (off) or >= 2 for parallel "
+            "drafting."
         )
     return problems
 

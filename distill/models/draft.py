@@ -7,6 +7,7 @@ ids, so the draft must speak exactly the target's vocabulary. Embedding matrices
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,70 @@ def _truncated_config(target_cfg: Any, num_layers: int) -> Any:
     return cfg
 
 
+def choose_mask_token(tokenizer: Any) -> int:
+    """The parallel-drafting mask id when `draft.mask_token_id` is null: a special token the data never holds.
+
+    The highest added (special) token that is not BOS/EOS/PAD/UNK and does not occur in a rendered chat, else
+    the last vocabulary id (a rare merge).
+    """
+    reserved = {
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        tokenizer.unk_token_id,
+    }
+    in_chat: set[int] = set()
+    if getattr(tokenizer, "chat_template", None):
+        chat = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+        ]
+        with contextlib.suppress(Exception):  # a template that refuses a system turn or this shape
+            in_chat = set(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"])
+    added = sorted(getattr(tokenizer, "added_tokens_decoder", {}) or {}, reverse=True)
+    for token_id in added:
+        if token_id not in reserved and token_id not in in_chat and token_id < len(tokenizer):
+            return int(token_id)
+    return len(tokenizer) - 1
+
+
+def mask_token_id(cfg: Config, tokenizer: Any) -> int:
+    d = cfg.draft
+    if d.mask_token_id is None:
+        return choose_mask_token(tokenizer)
+    if d.mask_token_id >= len(tokenizer):
+        raise InputError(
+            f"draft.mask_token_id: {d.mask_token_id} is outside the tokenizer's {len(tokenizer)} ids; pick an "
+            "unused special token id (or null to choose one)."
+        )
+    return d.mask_token_id
+
+
+def mark_parallel(model: Any, tokens: int, mask_id: int) -> None:
+    """Record parallel drafting in the model config, where vLLM looks for the mask (`pard_token`)."""
+    model.config.pard_token = int(mask_id)
+    model.config.distill_parallel_tokens = int(tokens)
+
+
+def parallel_tokens_of(config: Any) -> int:
+    """Proposals per round a draft was trained for (0 = ordinary autoregressive draft), from its config."""
+    if getattr(config, "pard_token", None) is None:
+        return 0
+    return int(getattr(config, "distill_parallel_tokens", 0) or 0)
+
+
 def build_initial_draft(cfg: Config, target_dir: Path) -> Any:
-    """The undistilled starting draft (float32, train mode off) as `draft.init` says."""
+    """The undistilled starting draft (float32, train mode off) as `draft.init` says; a parallel draft carries
+    its mask token in its config (`mark_parallel`)."""
+    model = _build_draft_model(cfg, target_dir)
+    if cfg.draft.parallel_tokens:
+        tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+        mark_parallel(model, cfg.draft.parallel_tokens, mask_token_id(cfg, tokenizer))
+    return model
+
+
+def _build_draft_model(cfg: Config, target_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 

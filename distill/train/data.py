@@ -20,6 +20,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from distill.errors import InputError
 from distill.losses import SparseTeacher
+from distill.train.parallel import ParallelView, build_parallel_view
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Parallel drafting (PARD) training: `tokens` proposals per round, masks are `mask_token_id`."""
+
+    tokens: int
+    mask_token_id: int
 
 
 @dataclass
@@ -28,7 +37,8 @@ class MicroBatch:
 
     input_ids/attention_mask/loss_mask: int64 [B, T]; positions: int64 [N] position of each counted token in
     its response (0 = first response token), row-major like `losses.select_labels`; teacher: the cached top-k
-    rows [N, k] or None (online teacher); rows: dataset row indices [B].
+    rows [N, k] or None (online teacher); rows: dataset row indices [B]; parallel: the packed input of a
+    parallel-drafting draft (`distill.train.parallel`), None for an ordinary draft.
     """
 
     input_ids: Tensor
@@ -37,9 +47,13 @@ class MicroBatch:
     positions: Tensor
     teacher: SparseTeacher | None
     rows: Tensor
+    parallel: ParallelView | None = None
 
     @property
     def num_tokens(self) -> int:
+        """Counted predictions: response tokens, or every proposal of a parallel draft."""
+        if self.parallel is not None:
+            return int(self.parallel.predict_at.numel())
         return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> MicroBatch:
@@ -53,6 +67,7 @@ class MicroBatch:
             self.positions.to(device),
             t,
             self.rows.to(device),
+            None if self.parallel is None else self.parallel.to(device),
         )
 
 
@@ -84,7 +99,7 @@ class DistillRows(Dataset):
         return item
 
 
-def collate_micro(items: list[dict[str, Any]], pad_id: int) -> MicroBatch:
+def collate_micro(items: list[dict[str, Any]], pad_id: int, parallel: Parallel | None = None) -> MicroBatch:
     """Right-pad a list of rows into one `MicroBatch` (padding: attention 0, loss 0)."""
     t_max = max(len(it["input_ids"]) for it in items)
     b = len(items)
@@ -105,12 +120,21 @@ def collate_micro(items: list[dict[str, Any]], pad_id: int) -> MicroBatch:
             rest_logmass=torch.cat([it["topk"][2] for it in items]),
         )
     rows = torch.tensor([it["row"] for it in items], dtype=torch.long)
-    return MicroBatch(ids, attn, mask, positions, teacher, rows)
+    view = None
+    if parallel is not None:
+        view = build_parallel_view(
+            ids, attn, mask, k=parallel.tokens, mask_token_id=parallel.mask_token_id, pad_id=pad_id
+        )
+    return MicroBatch(ids, attn, mask, positions, teacher, rows, view)
 
 
-def collate_step(items: list[dict[str, Any]], *, micro_batch: int, pad_id: int) -> list[MicroBatch]:
+def collate_step(
+    items: list[dict[str, Any]], *, micro_batch: int, pad_id: int, parallel: Parallel | None = None
+) -> list[MicroBatch]:
     """One optimizer step's rows -> micro-batches of `micro_batch` rows, each padded to its own length."""
-    return [collate_micro(items[i : i + micro_batch], pad_id) for i in range(0, len(items), micro_batch)]
+    return [
+        collate_micro(items[i : i + micro_batch], pad_id, parallel) for i in range(0, len(items), micro_batch)
+    ]
 
 
 def load_rows(run_dir: Path, split: str, *, cached: bool, max_seq_len: int) -> DistillRows:
@@ -149,6 +173,7 @@ class DistillDataModule(L.LightningDataModule):
         pad_id: int,
         seed: int,
         num_workers: int = 0,
+        parallel: Parallel | None = None,
     ):
         super().__init__()
         self.run_dir = Path(run_dir)
@@ -159,6 +184,7 @@ class DistillDataModule(L.LightningDataModule):
         self.pad_id = pad_id
         self.seed = seed
         self.num_workers = num_workers
+        self.parallel = parallel
         self.train_rows: DistillRows | None = None
         self.val_rows: DistillRows | None = None
 
@@ -193,18 +219,28 @@ class DistillDataModule(L.LightningDataModule):
             batch_size=self.batch_size * self.grad_accum,
             sampler=sampler,
             drop_last=True,
-            collate_fn=partial(collate_step, micro_batch=self.batch_size, pad_id=self.pad_id),
+            collate_fn=partial(
+                collate_step, micro_batch=self.batch_size, pad_id=self.pad_id, parallel=self.parallel
+            ),
             num_workers=self.num_workers,
         )
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_rows is not None
         world, rank = self._world()
-        return val_loader(self.val_rows, self.batch_size, self.pad_id, world=world, rank=rank)
+        return val_loader(
+            self.val_rows, self.batch_size, self.pad_id, world=world, rank=rank, parallel=self.parallel
+        )
 
 
 def val_loader(
-    rows: DistillRows, batch_size: int, pad_id: int, *, world: int = 1, rank: int = 0
+    rows: DistillRows,
+    batch_size: int,
+    pad_id: int,
+    *,
+    world: int = 1,
+    rank: int = 0,
+    parallel: Parallel | None = None,
 ) -> DataLoader:
     """Validation rows of this rank (every row exactly once over all ranks, so summed figures are exact)."""
     shard = DistillRows(rows.ds, rows.cache, rows.max_seq_len, rows.indices[rank::world])
@@ -212,5 +248,5 @@ def val_loader(
         shard,
         batch_size=batch_size,
         shuffle=False,
-        collate_fn=partial(collate_step, micro_batch=batch_size, pad_id=pad_id),
+        collate_fn=partial(collate_step, micro_batch=batch_size, pad_id=pad_id, parallel=parallel),
     )

@@ -27,6 +27,7 @@ from distill.losses import (
     shift_mask,
 )
 from distill.train.data import MicroBatch
+from distill.train.parallel import ParallelView, accepted_lengths, run_lengths
 from distill.utils.fs import atomic_write_json, read_json
 
 EMPTY_LOGIT = -1e30  # a log-probability whose exp() is exactly 0.0 in float32 (as in `distill.losses`)
@@ -65,16 +66,30 @@ def response_logits(
 
 
 class ValAccumulator:
-    """Sums of the validation figures, overall and per position in the response (last bucket = `P+`)."""
+    """Sums of the validation figures, overall and per position (last bucket = `P+`), and the greedy
+    acceptance length of speculative rounds with k = 1..P draft tokens.
+
+    Positions are positions in the response for an ordinary draft, draft positions (0..k-1) for a parallel one.
+    """
 
     def __init__(self, max_positions: int, device: torch.device | str = "cpu"):
         self.p = max_positions
         # [loss_sum, count, acc_sum, top1_sum] + per bucket [acc, top1, count] * (P + 1)
-        self.sums = torch.zeros(4 + 3 * (max_positions + 1), dtype=torch.float64, device=device)
+        # + accepted drafts summed per k = 1..P + [rounds]
+        self._base = 4 + 3 * (max_positions + 1)
+        self.sums = torch.zeros(self._base + max_positions + 1, dtype=torch.float64, device=device)
 
-    def update(self, loss: Tensor, acc: Tensor, top1: Tensor, positions: Tensor) -> None:
-        """All [N]: per-token loss, expected acceptance, top-1 agreement, position in response."""
+    def update(
+        self, loss: Tensor, acc: Tensor, top1: Tensor, positions: Tensor, runs: Tensor | None = None
+    ) -> None:
+        """[N] each: per-prediction loss, expected acceptance, top-1 agreement, position; runs [G]: greedy drafts
+        accepted by each speculative round (uncapped; see `distill.train.parallel`)."""
         s = self.sums
+        if runs is not None and runs.numel():
+            ks = torch.arange(1, self.p + 1, device=s.device, dtype=torch.float64)
+            capped = torch.minimum(runs.to(s.device).double()[:, None], ks[None, :])
+            s[self._base : self._base + self.p] += capped.sum(0)
+            s[self._base + self.p] += runs.numel()
         s[0] += loss.double().sum()
         s[1] += loss.numel()
         s[2] += acc.double().sum()
@@ -89,9 +104,12 @@ class ValAccumulator:
         s = self.sums.cpu().tolist()
         n = s[1]
         nb = self.p + 1
-        acc_b, top1_b, cnt_b = s[4 : 4 + nb], s[4 + nb : 4 + 2 * nb], s[4 + 2 * nb :]
+        acc_b, top1_b, cnt_b = s[4 : 4 + nb], s[4 + nb : 4 + 2 * nb], s[4 + 2 * nb : self._base]
+        accepted, rounds = s[self._base : self._base + self.p], s[self._base + self.p]
         labels = [str(i) for i in range(self.p)] + [f"{self.p}+"]
         return {
+            # vLLM's mean acceptance length (1 + accepted / drafts) of greedy rounds with k drafts, on this data.
+            "accept_len": {str(k + 1): 1 + a / rounds if rounds else None for k, a in enumerate(accepted)},
             "loss": s[0] / n if n else math.nan,
             "expected_acceptance": s[2] / n if n else math.nan,
             "top1_agreement": s[3] / n if n else math.nan,
@@ -143,15 +161,62 @@ def micro_teacher(teacher: Any | None, mb: MicroBatch, vocab: int) -> Tensor | S
         return response_logits(teacher, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
 
 
-def student_and_teacher(
-    draft: Any, teacher: Any | None, mb: MicroBatch, vocab: int
-) -> tuple[Tensor, Tensor | SparseTeacher | None]:
-    """The draft's logits [N, vocab] (or vocab + 1, see `fit_sparse_to_vocab`) and the aligned teacher."""
-    s_logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
+@dataclass
+class Predictions:
+    """The draft's P predictions of a micro-batch, aligned with their teacher rows.
+
+    logits [P, vocab] (or vocab + 1, see `fit_sparse_to_vocab`); teacher: [P, vocab] logits, cached rows or None;
+    labels [P]: the data's token; positions [P]: validation bucket (position in the response, or the draft
+    position of a parallel draft).
+    """
+
+    logits: Tensor
+    teacher: Tensor | SparseTeacher | None
+    labels: Tensor
+    positions: Tensor
+
+
+def parallel_logits(model: Any, view: ParallelView, vocab: int) -> Tensor:
+    """Logits [P, vocab] of a parallel draft's proposals: one forward over the packed micro-batch."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    hidden = decoder(
+        input_ids=view.input_ids, attention_mask=view.attention, position_ids=view.position_ids
+    ).last_hidden_state
+    return head(hidden.reshape(-1, hidden.shape[-1])[view.predict_at])[:, :vocab].float()
+
+
+def take_rows(t: Tensor | SparseTeacher | None, index: Tensor) -> Tensor | SparseTeacher | None:
+    if t is None or isinstance(t, Tensor):
+        return None if t is None else t[index]
+    return SparseTeacher(t.ids[index], t.logprobs[index], t.rest_logmass[index])
+
+
+def student_and_teacher(draft: Any, teacher: Any | None, mb: MicroBatch, vocab: int) -> Predictions:
+    """The draft's predictions for the micro-batch and the aligned teacher rows."""
+    labels = select_labels(mb.input_ids, mb.loss_mask)
     t = micro_teacher(teacher, mb, vocab)
+    if mb.parallel is None:
+        s_logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
+        positions = mb.positions
+    else:
+        # Each proposal's teacher is the target's row for the token it predicts (module docstring of parallel).
+        s_logits = parallel_logits(draft, mb.parallel, vocab)
+        index = mb.parallel.target_index
+        t, labels, positions = take_rows(t, index), labels[index], mb.parallel.draft_position
     if isinstance(t, SparseTeacher):
         s_logits, t = fit_sparse_to_vocab(s_logits, t, vocab)
-    return s_logits, t
+    return Predictions(s_logits, t, labels, positions)
+
+
+def greedy_runs(mb: MicroBatch, top1: Tensor) -> Tensor:
+    """Drafts a greedy speculative round starting at each anchor accepts (uncapped), from top-1 matches."""
+    match = top1.bool()
+    if mb.parallel is not None:
+        k = int(mb.parallel.draft_position.max()) + 1 if match.numel() else 1
+        return accepted_lengths(match.cpu(), mb.parallel.anchor.cpu(), mb.parallel.draft_position.cpu(), k)
+    b, t = mb.loss_mask.shape
+    rows = torch.arange(b, device=mb.loss_mask.device)[:, None].expand(b, t)[mb.loss_mask.bool()]
+    return run_lengths(match.cpu(), rows.cpu())
 
 
 def eval_micro(
@@ -165,13 +230,12 @@ def eval_micro(
 ) -> None:
     """Add one micro-batch's validation figures to `acc` (no grad)."""
     with torch.no_grad():
-        s_logits, t = student_and_teacher(draft, teacher, mb, vocab)
-        if t is None:
+        pr = student_and_teacher(draft, teacher, mb, vocab)
+        if pr.teacher is None:
             raise ValueError("validation needs a teacher (online model or top-k cache)")
-        labels = select_labels(mb.input_ids, mb.loss_mask)
-        loss = per_token_loss(spec, s_logits, labels, t)
-        a, top1 = eval_token_stats(s_logits, t, eval_temperature)
-        acc.update(loss, a, top1, mb.positions)
+        loss = per_token_loss(spec, pr.logits, pr.labels, pr.teacher)
+        a, top1 = eval_token_stats(pr.logits, pr.teacher, eval_temperature)
+        acc.update(loss, a, top1, pr.positions, greedy_runs(mb, top1))
 
 
 def evaluate_draft(
@@ -206,6 +270,9 @@ def val_log_metrics(summary: dict[str, Any]) -> dict[str, float]:
         if pos["tokens"]:
             metrics[f"val_pos/expected_acceptance_{lab}"] = pos["expected_acceptance"]
             metrics[f"val_pos/top1_agreement_{lab}"] = pos["top1_agreement"]
+    for k, length in summary.get("accept_len", {}).items():
+        if length is not None:
+            metrics[f"val/accept_len_k{k}"] = length
     return metrics
 
 
@@ -328,10 +395,8 @@ class DistillModule(L.LightningModule):
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         bad_rows: list[int] = []
         for mb in batch:
-            s_logits, teacher = student_and_teacher(self.draft, self.teacher, mb, self.vocab)
-            loss_sum = per_token_loss(
-                self.spec, s_logits, select_labels(mb.input_ids, mb.loss_mask), teacher
-            ).sum()
+            pr = student_and_teacher(self.draft, self.teacher, mb, self.vocab)
+            loss_sum = per_token_loss(self.spec, pr.logits, pr.labels, pr.teacher).sum()
             if not torch.isfinite(loss_sum):
                 bad_rows.extend(mb.rows.tolist())
             self.manual_backward(loss_sum * scale)

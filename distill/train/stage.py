@@ -228,6 +228,21 @@ def load_teacher(cfg: Config, target_dir: Path) -> Any | None:
     return teacher
 
 
+def parallel_of(draft: Any) -> Any:
+    """The draft's parallel-drafting setup (`distill.train.data.Parallel`), None for an ordinary draft."""
+    from distill.models.draft import parallel_tokens_of
+    from distill.train.data import Parallel
+
+    tokens = parallel_tokens_of(draft.config)
+    return Parallel(tokens, int(draft.config.pard_token)) if tokens else None
+
+
+def val_positions(cfg: Config, draft: Any) -> int:
+    """Validation buckets: draft positions 0..k-1 of a parallel draft, else positions in the response."""
+    parallel = parallel_of(draft)
+    return parallel.tokens if parallel is not None else cfg.train.val_max_positions
+
+
 def build_module(cfg: Config, draft: Any, teacher: Any | None, spec: LossSpec, vocab: int) -> Any:
     from distill.train.module import DistillModule, OptimConfig
 
@@ -252,13 +267,13 @@ def build_module(cfg: Config, draft: Any, teacher: Any | None, spec: LossSpec, v
         optim,
         vocab=vocab,
         eval_temperature=t.eval_temperature,
-        max_positions=t.val_max_positions,
+        max_positions=val_positions(cfg, draft),
         hparams=hparams,
         history_path=train_dir(cfg.run_dir) / "val_history.json",
     )
 
 
-def build_datamodule(cfg: Config, pad_id: int) -> Any:
+def build_datamodule(cfg: Config, pad_id: int, parallel: Any = None) -> Any:
     from distill.train.data import DistillDataModule
 
     t = cfg.train
@@ -271,6 +286,7 @@ def build_datamodule(cfg: Config, pad_id: int) -> Any:
         pad_id=pad_id,
         seed=cfg.run.seed,
         num_workers=t.num_workers,
+        parallel=parallel,
     )
 
 
@@ -343,11 +359,11 @@ def _baseline(
     figures = evaluate_draft(
         draft,
         teacher,
-        val_loader(rows, cfg.train.batch_size, pad_id),
+        val_loader(rows, cfg.train.batch_size, pad_id, parallel=parallel_of(draft)),
         plan.spec,
         eval_temperature=cfg.train.eval_temperature,
         vocab=vocab,
-        max_positions=cfg.train.val_max_positions,
+        max_positions=val_positions(cfg, draft),
     )
     figures["step"] = 0
     figures["seconds"] = round(time.perf_counter() - t0, 3)
@@ -452,7 +468,7 @@ def run(cfg: Config) -> int | None:
     stop = StopFlag()
     module = build_module(cfg, draft, teacher, plan.spec, vocab)
     module.baseline = baseline  # logged at step 0 of a fresh start, so the curves show the gain
-    dm = build_datamodule(cfg, pad_id)
+    dm = build_datamodule(cfg, pad_id, parallel_of(draft))
     trainer = build_trainer(cfg, plan, stop)
     t0 = time.perf_counter()
     _fit(trainer, module, dm, plan, stop)
