@@ -246,6 +246,121 @@ def test_stops_at_eos_and_max_tokens(models, prompts):
         assert gen.token_ids == ref[:7]
 
 
+# ---- parallel (PARD) drafts: one forward proposes k tokens -------------------------------------------
+
+PARALLEL_K = 4
+
+
+def _parallel(model_dir, tokenizer):
+    """A tiny untrained parallel draft: any tiny model marked with a mask id (`mark_parallel`)."""
+    from distill.models.draft import choose_mask_token, load_causal_lm, mark_parallel
+
+    model = load_causal_lm(model_dir).eval()
+    mark_parallel(model, PARALLEL_K, choose_mask_token(tokenizer))
+    return model
+
+
+@pytest.fixture(scope="module")
+def parallel_drafts(tiny_target_dir, tiny_draft_dir, tiny_tokenizer):
+    """(a random parallel draft, the target itself as a parallel draft)."""
+    return _parallel(tiny_draft_dir, tiny_tokenizer), _parallel(tiny_target_dir, tiny_tokenizer)
+
+
+@torch.inference_mode()
+def test_parallel_proposal_is_one_forward_over_next_token_and_masks(parallel_drafts, prompts):
+    """vLLM's layout: [context, next token, mask * (k - 1)], positions continuing, causal; the proposals are
+    the argmaxes at next token and each mask, and the cache keeps no mask entry."""
+    draft = parallel_drafts[0]
+    mask = int(draft.config.pard_token)
+    tokens = torch.tensor([prompts[0]])
+    cache = R.new_cache(draft)
+    R.forward_new(draft, cache, tokens[:, :-3], 1)  # a cached prefix, three new tokens this round
+    calls = []
+    hook = draft.register_forward_hook(
+        lambda mod, args, kwargs, out: calls.append(kwargs["input_ids"]), with_kwargs=True
+    )
+    try:
+        ids, q = R.propose_parallel(
+            draft,
+            tokens,
+            cache,
+            k=3,
+            mask_id=mask,
+            sampling=R.Sampling(),
+            draft_sample_method="greedy",
+            generator=None,
+        )
+    finally:
+        hook.remove()
+    assert len(calls) == 1 and calls[0].tolist() == [[*prompts[0][-3:], mask, mask]]
+    assert R.cache_len(cache) == len(prompts[0])
+    full = draft(input_ids=torch.tensor([prompts[0] + [mask, mask]])).logits[0, -3:]
+    assert ids[0].tolist() == full.argmax(-1).tolist()
+    assert torch.equal(q[0], torch.nn.functional.one_hot(ids[0], q.shape[-1]).float())
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_speculative_with_a_parallel_draft_equals_target_greedy(models, parallel_drafts, prompts, k):
+    target = models[0]
+    for prompt in prompts:
+        ref = R.target_generate(target, prompt, max_tokens=24, eos_token_id=2, sampling=R.Sampling())
+        for d in parallel_drafts:
+            gen = R.speculative_generate(
+                target,
+                d,
+                prompt,
+                max_tokens=24,
+                eos_token_id=2,
+                k=k,
+                sampling=R.Sampling(),
+                parallel_mask_id=int(d.config.pard_token),
+            )
+            assert gen.token_ids == ref
+            s = gen.stats
+            assert s.num_draft_tokens == k * s.num_drafts and s.num_accepted_tokens == sum(s.accepted_per_pos)
+
+
+def test_target_as_parallel_draft_accepts_its_next_token(models, parallel_drafts, prompts):
+    """Position 0 of a parallel round is the draft's ordinary next-token prediction: the target as its own
+    draft accepts it every round (its untrained masks may miss)."""
+    target, self_draft = models[0], parallel_drafts[1]
+    gen = R.speculative_generate(
+        target,
+        self_draft,
+        prompts[1],
+        max_tokens=30,
+        eos_token_id=None,
+        k=3,
+        sampling=R.Sampling(),
+        parallel_mask_id=int(self_draft.config.pard_token),
+    )
+    assert gen.stats.accepted_per_pos[0] == gen.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_parallel_draft_keeps_the_target_distribution(models, parallel_drafts, prompts, method):
+    """Chi-square on the first two tokens jointly with a parallel draft (k=1 and k=3) at T=1."""
+    target, draft = models[0], parallel_drafts[0]
+    sampling = R.Sampling(temperature=1.0)
+    joint = _two_token_probs(target, prompts[1], sampling)
+    vocab = joint.shape[0]
+    for k in (1, 3):
+        out = R.sample_speculative_batch(
+            target,
+            draft,
+            prompts[1],
+            num_samples=NUM_SAMPLES,
+            num_tokens=2,
+            k=k,
+            sampling=sampling,
+            draft_sample_method=method,
+            generator=torch.Generator().manual_seed(10 + k),
+            parallel_mask_id=int(draft.config.pard_token),
+        ).numpy()
+        counts = np.bincount(out[:, 0] * vocab + out[:, 1], minlength=vocab * vocab)
+        assert _chisquare_pvalue(counts, joint) > P_PASS, f"k={k}"
+
+
 # ---- small pieces ----------------------------------------------------------------------------------------
 
 
@@ -288,6 +403,7 @@ RESULT_KEYS = {
     "k",
     "temperature",
     "draft_sample_method",
+    "parallel_drafting",
     "startup_s",
     "wall_s",
     "output_tokens",
@@ -372,6 +488,24 @@ def test_run_reference_job(tiny_target_dir, tiny_draft_dir, prompts, tmp_path):
     assert s["num_accepted_tokens"] / s["num_draft_tokens"] > 0.9
     saved = json.loads(partial.read_text())
     assert saved["complete"] is False and [r["name"] for r in saved["results"]] == list(by_name)
+
+
+def test_run_reference_job_with_a_parallel_draft(tiny_target_dir, tiny_tokenizer, prompts, tmp_path):
+    from distill.models.draft import save_hf_folder
+
+    folder = save_hf_folder(_parallel(tiny_target_dir, tiny_tokenizer), tiny_tokenizer, tmp_path / "pard")
+    job = _job(tiny_target_dir, folder, prompts[:2], repeats=1)
+    par = dict(job["configs"][1], name="pard", k=2, parallel_drafting=True)
+    not_pard = dict(par, name="not_pard", draft=str(tiny_target_dir))  # no pard_token in its config
+    job["configs"] = [job["configs"][0], par, not_pard]
+    out = R.run_reference_job(job)
+    no_spec, pard, bad = out["results"]
+    assert (
+        pard["error"] is None and pard["parallel_drafting"] is True and no_spec["parallel_drafting"] is False
+    )
+    assert pard["texts"] == no_spec["texts"]
+    assert pard["num_draft_tokens"] == 2 * pard["num_drafts"] > 0
+    assert bad["error"] and "pard_token" in bad["error"]
 
 
 def test_a_failing_configuration_is_marked_and_the_others_run(

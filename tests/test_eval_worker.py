@@ -90,6 +90,28 @@ def test_engine_groups_share_an_engine_across_temperatures_only():
     ]
     groups = speculate.engine_groups(cfgs)
     assert [len(g) for g in groups] == [2, 1, 1]
+    # parallel drafting is another engine even for the same folder and k
+    par = [{**cfgs[0], "parallel_drafting": True}, {**cfgs[1], "parallel_drafting": True}]
+    assert [len(g) for g in speculate.engine_groups([*cfgs, *par])] == [2, 1, 1, 2]
+
+
+def test_parallel_draft_arguments_and_result():
+    cfg = {
+        "name": "p",
+        "method": "draft_model",
+        "draft": "/p",
+        "k": 4,
+        "temperature": 0.0,
+        "draft_sample_method": "greedy",
+        "parallel_drafting": True,
+    }
+    spec = speculate.engine_kwargs(cfg, JOB)["speculative_config"]
+    assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == 4
+    assert spec["method"] == "draft_model" and spec["model"] == "/p"
+    off = speculate.speculative_config({**cfg, "parallel_drafting": False}, JOB)
+    assert off is not None and "parallel_drafting" not in off
+    assert speculate.empty_result(cfg)["parallel_drafting"] is True
+    assert speculate.empty_result({**cfg, "parallel_drafting": False})["parallel_drafting"] is False
 
 
 def test_vllm_arguments():

@@ -15,7 +15,10 @@ Job keys:
     stop_token_ids: list[int] — every id that ends generation (EOS of tokenizer and generation config).
     max_model_len: int — longest prompt + max_tokens + largest k + margin.
     configs: list of {name: str, method: None | "ngram" | "draft_model", draft: str | None (folder),
-             k: int (0 for no_spec), temperature: float, draft_sample_method: None | "greedy" | "probabilistic"}
+             k: int (0 for no_spec), temperature: float, draft_sample_method: None | "greedy" | "probabilistic",
+             parallel_drafting: bool (only on draft_model configs; true for a parallel (PARD) draft: one draft
+             forward proposes all k tokens from [next token, mask * (k - 1)], the mask id being the draft
+             config's `pard_token`; vLLM's `speculative_config.parallel_drafting`)}
     repeats: int — timed passes over all prompts (after one warm-up pass).
     seed: int — prompt i is sampled with seed + i (same work in every repeat and configuration).
     rejection_sample_method: "standard" | "block"
@@ -28,7 +31,7 @@ Job keys:
 
 Result: {"results": [per-config dict], "complete": bool, "engine": str, "engine_version": str, "device": str,
 ...}. Per-config dict:
-    {name, method, draft, k, temperature, draft_sample_method, startup_s: float | None,
+    {name, method, draft, k, temperature, draft_sample_method, parallel_drafting: bool, startup_s: float | None,
      wall_s: [float per timed pass], load_avg: [1-min load average before each timed pass] (optional), output_tokens: int (tokens generated in one pass over all prompts),
      output_tokens_per_pass: [int], num_drafts, num_draft_tokens, num_accepted_tokens: int (summed over the
      timed passes), accepted_per_pos: [int] * k (same passes), texts: [str per prompt],
@@ -50,18 +53,23 @@ def build_configs(
     temperatures: list[float],
     draft_sample_methods: list[str],
     ngram_k: int | None,
+    parallel: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Every configuration, grouped so configurations sharing an engine are adjacent.
 
     At temperature 0 only greedy drafting is measured (probabilistic drafting changes nothing there);
-    at temperature > 0 every method in `draft_sample_methods` is.
+    at temperature > 0 every method in `draft_sample_methods` is. `parallel` maps a draft name to the K it
+    was trained to propose in one pass: such a draft runs with `parallel_drafting` at the k of `ks` that are
+    <= K (at K when none is, see `parallel_ks`).
     """
+    parallel = parallel or {}
     temps = sorted(set(temperatures))
     out: list[dict[str, Any]] = []
 
     def add(
         name: str, method: str | None, draft: str | None, k: int, dsm: str | None, ts: list[float]
     ) -> None:
+        extra = {"parallel_drafting": bool(parallel.get(name))} if method == "draft_model" else {}
         out.extend(
             {
                 "name": name,
@@ -70,6 +78,7 @@ def build_configs(
                 "k": k,
                 "temperature": float(t),
                 "draft_sample_method": dsm,
+                **extra,
             }
             for t in ts
         )
@@ -79,7 +88,7 @@ def build_configs(
         add(NGRAM, "ngram", None, ngram_k, None, temps)
     hot = [t for t in temps if t > 0]
     for name, path in drafts:
-        for k in ks:
+        for k in parallel_ks(ks, parallel.get(name, 0)):
             for dsm in draft_sample_methods:
                 ts = ([t for t in temps if t == 0] if dsm == "greedy" else []) + hot
                 if dsm != "greedy" and not hot:
@@ -88,3 +97,11 @@ def build_configs(
             if "greedy" not in draft_sample_methods and 0.0 in temps:
                 add(name, "draft_model", path, k, "greedy", [0.0])
     return out
+
+
+def parallel_ks(ks: list[int], parallel_tokens: int) -> list[int]:
+    """The k to sweep for a draft: all of `ks` for an ordinary draft (parallel_tokens 0); for a parallel one
+    trained to propose K = parallel_tokens tokens, those <= K (its masks past K were never trained), else [K]."""
+    if not parallel_tokens:
+        return list(ks)
+    return [k for k in ks if k <= parallel_tokens] or [parallel_tokens]

@@ -13,6 +13,9 @@ Conventions that keep that true in every mode:
 - prompt-lookup drafting (`method: ngram`) proposes deterministic tokens too: q is one-hot as well;
 - temperature and top-p are applied identically to p and q.
 
+A parallel (PARD) draft (`parallel_drafting` in the job's config) proposes its k tokens in one forward pass
+over [new tokens, mask * (k - 1)], exactly as vLLM runs it; the rule above is unchanged.
+
 Both models keep a KV cache (`DynamicCache`); after verification the caches are cropped back to the tokens
 that survived, so each round feeds only the new tokens.
 """
@@ -208,15 +211,57 @@ def speculative_round(
     sampling: Sampling,
     draft_sample_method: str,
     generator: torch.Generator | None,
+    parallel_mask_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One draft-then-verify round on B sequences of equal length.
 
     Args:
         tokens: [B, L] every token so far; both caches hold a common prefix shorter than L.
+        parallel_mask_id: the mask id of a parallel (PARD) draft, which proposes all k in one forward pass
+            (`propose_parallel`); None for an ordinary draft, which proposes one token per forward.
     Returns:
         draft_ids [B, k], num_accepted [B], next_token [B]. The caches then hold L + k (target) and
-        L + k - 1 (draft) positions: the caller crops them to the tokens that survived.
+        L + k - 1 (ordinary draft) or L (parallel draft) positions: the caller crops them to the tokens that
+        survived.
     """
+    if parallel_mask_id is None:
+        draft_ids, q = propose_autoregressive(
+            draft,
+            tokens,
+            draft_cache,
+            k=k,
+            sampling=sampling,
+            draft_sample_method=draft_sample_method,
+            generator=generator,
+        )
+    else:
+        draft_ids, q = propose_parallel(
+            draft,
+            tokens,
+            draft_cache,
+            k=k,
+            mask_id=parallel_mask_id,
+            sampling=sampling,
+            draft_sample_method=draft_sample_method,
+            generator=generator,
+        )
+    target_feed = torch.cat([tokens[:, cache_len(target_cache) :], draft_ids], dim=1)
+    p = warp(forward_new(target, target_cache, target_feed, k + 1), sampling)
+    num_accepted, next_token = verify(draft_ids, q, p, generator)
+    return draft_ids, num_accepted, next_token
+
+
+def propose_autoregressive(
+    draft: Any,
+    tokens: torch.Tensor,
+    draft_cache: Any,
+    *,
+    k: int,
+    sampling: Sampling,
+    draft_sample_method: str,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k draft forwards, each fed the previous proposal: (draft_ids [B, k], q [B, k, V])."""
     feed = tokens[:, cache_len(draft_cache) :]
     ids_list, q_list = [], []
     for _ in range(k):
@@ -225,11 +270,36 @@ def speculative_round(
         ids_list.append(ids)
         q_list.append(q)
         feed = ids.unsqueeze(-1)
-    draft_ids = torch.stack(ids_list, dim=1)
-    target_feed = torch.cat([tokens[:, cache_len(target_cache) :], draft_ids], dim=1)
-    p = warp(forward_new(target, target_cache, target_feed, k + 1), sampling)
-    num_accepted, next_token = verify(draft_ids, torch.stack(q_list, dim=1), p, generator)
-    return draft_ids, num_accepted, next_token
+    return torch.stack(ids_list, dim=1), torch.stack(q_list, dim=1)
+
+
+def propose_parallel(
+    draft: Any,
+    tokens: torch.Tensor,
+    draft_cache: Any,
+    *,
+    k: int,
+    mask_id: int,
+    sampling: Sampling,
+    draft_sample_method: str,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parallel drafting (PARD), as vLLM's `parallel_drafting` does it: ONE draft forward over the tokens not
+    yet cached (ending with the newest token) followed by k - 1 mask tokens at the positions after it, with
+    causal attention; proposal i comes from the logits at the newest token (i = 0) or at mask i, each drawn
+    from its own q. The mask entries are then cropped from the draft's cache: the next round writes the real
+    tokens there. Returns (draft_ids [B, k], q [B, k, V])."""
+    start = cache_len(draft_cache)
+    feed = tokens[:, start:]
+    masks = torch.full((feed.shape[0], k - 1), mask_id, dtype=feed.dtype, device=feed.device)
+    logits = forward_new(draft, draft_cache, torch.cat([feed, masks], dim=1), k)
+    crop_cache(draft_cache, tokens.shape[1])
+    ids_list, q_list = [], []
+    for i in range(k):
+        ids, q = propose(logits[:, i], sampling, draft_sample_method, generator)
+        ids_list.append(ids)
+        q_list.append(q)
+    return torch.stack(ids_list, dim=1), torch.stack(q_list, dim=1)
 
 
 def ngram_proposal(tokens: Sequence[int], k: int, ngram_min: int = 1, ngram_max: int = 4) -> list[int]:
@@ -337,10 +407,12 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     ngram_min: int = 1,
     ngram_max: int = 4,
+    parallel_mask_id: int | None = None,
 ) -> Generation:
     """Speculative decoding of one prompt (batch 1) with KV caches on both models.
 
-    `method` is "draft_model" (needs `draft`) or "ngram" (prompt lookup in the prompt and output so far).
+    `method` is "draft_model" (needs `draft`) or "ngram" (prompt lookup in the prompt and output so far);
+    `parallel_mask_id` set = the draft is a parallel (PARD) draft with that mask id (`propose_parallel`).
     """
     if method not in ("draft_model", "ngram") or (method == "draft_model" and draft is None):
         raise ValueError(f"speculative_generate: method {method!r} with draft {type(draft).__name__}")
@@ -363,6 +435,7 @@ def speculative_generate(
                 sampling=sampling,
                 draft_sample_method=draft_sample_method,
                 generator=generator,
+                parallel_mask_id=parallel_mask_id,
             )
             proposal, num_accepted, next_token = ids[0].tolist(), int(acc[0]), int(nxt[0])
         else:
@@ -408,6 +481,7 @@ def sample_speculative_batch(
     sampling: Sampling,
     draft_sample_method: str,
     generator: torch.Generator | None,
+    parallel_mask_id: int | None = None,
 ) -> torch.Tensor:
     """`num_samples` independent speculative continuations of one prompt, `num_tokens` each: [S, num_tokens].
 
@@ -432,6 +506,7 @@ def sample_speculative_batch(
             sampling=sampling,
             draft_sample_method=draft_sample_method,
             generator=generator,
+            parallel_mask_id=parallel_mask_id,
         )
         new = torch.cat([ids, torch.zeros_like(ids[:, :1])], dim=1)
         new[torch.arange(len(rows), device=device), acc] = nxt
@@ -546,6 +621,7 @@ def _runner(
     max_tokens, eos = int(job["max_tokens"]), job.get("eos_token_id")
     method = c.get("method")
     k = int(c.get("k") or 0)
+    mask_id = parallel_mask_of(draft) if method == "draft_model" and c.get("parallel_drafting") else None
 
     def run_one(prompt: Sequence[int], g: torch.Generator) -> Generation:
         if method is None:
@@ -566,9 +642,21 @@ def _runner(
             ngram_max=int(job.get("ngram_max", 4)),
             max_tokens=max_tokens,
             eos_token_id=eos,
+            parallel_mask_id=mask_id,
         )
 
     return run_one
+
+
+def parallel_mask_of(draft: Any) -> int:
+    """The mask id of a parallel draft (`pard_token` in its config, where vLLM reads it too)."""
+    mask = getattr(draft.config, "pard_token", None)
+    if mask is None:
+        raise ValueError(
+            "parallel_drafting is set but the draft's config.json has no `pard_token` (its mask id): "
+            "it is not a parallel draft"
+        )
+    return int(mask)
 
 
 def _empty_result(c: dict[str, Any]) -> dict[str, Any]:
@@ -580,6 +668,7 @@ def _empty_result(c: dict[str, Any]) -> dict[str, Any]:
         "k": k,
         "temperature": float(c.get("temperature", 0.0)),
         "draft_sample_method": c.get("draft_sample_method"),
+        "parallel_drafting": bool(c.get("parallel_drafting")),
         "startup_s": 0.0,
         "wall_s": [],
         "output_tokens": 0,

@@ -24,7 +24,7 @@ from distill.utils.fs import atomic_write_json
 
 log = logging.getLogger("distill.vllm_worker.speculate")
 
-ENGINE_KEYS = ("method", "draft", "k", "draft_sample_method")
+ENGINE_KEYS = ("method", "draft", "k", "draft_sample_method", "parallel_drafting")
 
 
 def engine_groups(configs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -48,6 +48,9 @@ def speculative_config(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, An
     spec["model"] = cfg["draft"]
     spec["draft_sample_method"] = cfg.get("draft_sample_method") or "greedy"
     spec["rejection_sample_method"] = job.get("rejection_sample_method", "standard")
+    if cfg.get("parallel_drafting"):
+        # One draft forward over [next token, mask * (k - 1)] proposes all k (mask id: `pard_token`).
+        spec["parallel_drafting"] = True
     return spec
 
 
@@ -80,6 +83,7 @@ def empty_result(cfg: dict[str, Any], error: str | None = None) -> dict[str, Any
         "k": k,
         "temperature": float(cfg["temperature"]),
         "draft_sample_method": cfg.get("draft_sample_method"),
+        "parallel_drafting": bool(cfg.get("parallel_drafting")),
         "startup_s": None,
         "wall_s": [],
         "load_avg": [],
