@@ -47,6 +47,7 @@ def _cfg(args: dict[str, Any], run_dir: Path, teacher: str) -> Any:
             "train.warmup_steps=0",
             f"train.lr={args['lr']}",
             f"train.precision={args['precision']}",
+            f"draft.parallel_tokens={args.get('parallel_tokens', 0)}",
         ],
     )
 
