@@ -105,8 +105,6 @@ def cost_ratios(target: Path, layers: list[int], dtype: str, device: str) -> dic
     """c = draft / target KV-cached decode step time at batch 1, for the first-N-layer drafts."""
     import copy
 
-    import torch
-
     from distill.evaluate.analytic import measure_decode_step_s
     from distill.models.draft import load_causal_lm
 
