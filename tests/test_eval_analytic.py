@@ -144,3 +144,79 @@ def test_estimate_matches_measured_acceptance_at_k1(models, tiny_tokenizer):
         proposed += gen.stats.num_draft_tokens
     assert 0.2 < est["alpha"] < 0.95
     assert abs(accepted / proposed - est["alpha"]) < 0.1
+
+
+# ---- parallel (PARD) drafts -------------------------------------------------------------------------------
+
+
+def test_parallel_formulas():
+    # equal α at every position: the geometric sum of the ordinary formula, but one draft forward per round
+    for alpha in (0.0, 0.4, 1.0):
+        for k in (1, 3):
+            e = A.parallel_tokens_per_round([alpha] * 4, k)
+            assert e == pytest.approx(A.expected_acceptance_length(alpha, k))
+            assert A.expected_parallel_speedup([alpha] * 4, k, 0.2) == pytest.approx(e / 1.2)
+            assert A.expected_speedup(alpha, k, 0.2, parallel=True) == pytest.approx(e / 1.2)
+    assert A.parallel_tokens_per_round([0.9, 0.5, 0.2], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
+    assert A.parallel_tokens_per_round([0.9, 0.5], 0) == 1.0
+    assert A.expected_speedup(0.5, 0, 0.3, parallel=True) == 1.0
+    with pytest.raises(ValueError):
+        A.parallel_tokens_per_round([0.9, 0.5], 3)  # no α for position 2
+    with pytest.raises(ValueError):
+        A.parallel_tokens_per_round([1.5], 1)
+
+
+@pytest.fixture(scope="module")
+def parallel_pair(models, tiny_tokenizer):
+    """(target, the target with slightly noisy weights marked as a 3-token parallel draft)."""
+    import copy
+
+    from distill.models.draft import choose_mask_token, mark_parallel
+
+    target = models[0]
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for prm in draft.parameters():
+            prm.add_(torch.randn(prm.shape, generator=g) * 0.02 * prm.std())
+    mark_parallel(draft, 3, choose_mask_token(tiny_tokenizer))
+    return target, draft
+
+
+@torch.inference_mode()
+def test_packed_parallel_estimate_equals_vllm_layout_rounds(parallel_pair, tiny_tokenizer):
+    """Each row of the packed estimate is what a round fed [context, next token, mask, mask] proposes."""
+    from distill.evaluate import reference as R
+
+    target, draft = parallel_pair
+    mask = int(draft.config.pard_token)
+    prompt = _prompts(tiny_tokenizer)[0]
+    cont = R.target_generate(target, prompt, max_tokens=12, eos_token_id=None, sampling=R.Sampling())
+    accept, match = A.parallel_proposal_acceptance(
+        target, draft, prompt, cont, k=3, mask_id=mask, sampling=R.Sampling(), draft_sample_method="greedy"
+    )
+    assert accept.shape == match.shape == (len(cont) - 3, 3)
+    assert torch.equal(accept, match.double())  # T = 0, greedy: acceptance is top-1 agreement
+    for r in range(len(cont) - 3):  # round r: next token cont[r], proposals for cont[r+1 .. r+3]
+        ids = torch.tensor([[*prompt, *cont[: r + 1], mask, mask]])
+        proposal = draft(input_ids=ids).logits[0, -3:].argmax(-1).tolist()
+        assert match[r].tolist() == [a == b for a, b in zip(proposal, cont[r + 1 : r + 4], strict=True)]
+
+
+def test_estimate_parallel_acceptance(parallel_pair, models, tiny_tokenizer):
+    target, draft = parallel_pair
+    prompts = _prompts(tiny_tokenizer)
+    est = A.estimate_parallel_acceptance(target, draft, prompts, max_tokens=16)
+    assert est["parallel"] is True and est["k"] == 3 and est["num_rounds"] == 2 * (16 - 3)
+    alphas, at_least = est["alpha_per_draft_position"], est["accept_at_least"]
+    assert all(0.0 <= a <= 1.0 for a in alphas) and at_least == sorted(at_least, reverse=True)
+    assert est["tokens_per_round"][-1] == pytest.approx(A.parallel_tokens_per_round(alphas, 3))
+    assert est["alpha_per_draft_position"][0] == pytest.approx(est["top1_agreement_per_draft_position"][0])
+    assert 0.0 < alphas[0] < 1.0 and 1.0 < est["tokens_per_round"][0] < 2.0
+    # an ordinary draft has no mask: no parallel estimate
+    with pytest.raises(ValueError, match="parallel draft"):
+        A.estimate_parallel_acceptance(target, models[1], prompts, max_tokens=8)
+    hot = A.estimate_parallel_acceptance(
+        target, draft, prompts, max_tokens=16, temperature=1.0, draft_sample_method="probabilistic"
+    )
+    assert 0.0 < hot["tokens_per_round"][0] <= 2.0

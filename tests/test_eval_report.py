@@ -279,3 +279,59 @@ def test_markdown_names_the_hardware():
     hw = {"device": "cpu", "summary": "CPU: Example CPU @ 2.0GHz, 2 cores"}
     assert "- hardware: CPU: Example CPU @ 2.0GHz, 2 cores" in report.markdown(_md_report(rows, hardware=hw))
     assert "- hardware: cpu" in report.markdown(_md_report(rows))  # older reports: the device
+
+
+def test_parallel_rows_estimates_and_config():
+    par = {**res("p", k=2, walls=(1.0,), drafts=10, draft_tokens=20, accepted=10), "parallel_drafting": True}
+    ar = res("a", k=2, walls=(1.0,), drafts=10, draft_tokens=20, accepted=10)
+    far = {**res("p", k=3, walls=(1.0,), drafts=10, draft_tokens=30, accepted=10), "parallel_drafting": True}
+    rows = report.build_rows([base(walls=(2.0,)), par, ar, far], dtype="float32")
+    assert [r["parallel_drafting"] for r in rows] == [False, True, False, True]
+
+    def formula(alpha, k, c, parallel=False):
+        return (1 - alpha ** (k + 1)) / ((1 - alpha) * (1 + (c if parallel else k * c)))
+
+    report.add_analytic(rows, formula, {"p": 0.25, "a": 0.25})
+    assert rows[1]["analytic_speedup"] == pytest.approx(1.75 / 1.25)  # one draft forward per round
+    assert rows[2]["analytic_speedup"] == pytest.approx(1.75 / 1.5)
+    est = {"parallel": True, "tokens_per_round": [1.8, 2.2]}  # estimated for K = 2
+    report.add_estimates(rows, formula, {"p": 0.25}, {("p", 0.0, "greedy"): est})
+    assert rows[1]["estimated_acceptance"] == pytest.approx(0.6)
+    assert rows[1]["estimated_speedup"] == pytest.approx(2.2 / 1.25)
+    assert "estimated_acceptance" not in rows[3]  # k=3 is past the estimate's K
+    spec = report.speculative_config(rows[1])
+    assert spec == {
+        "method": "draft_model",
+        "num_speculative_tokens": 2,
+        "model": "/m/p",
+        "draft_sample_method": "greedy",
+        "parallel_drafting": True,
+    }
+    assert "parallel_drafting" not in report.speculative_config(rows[2])
+    assert report.speculative_config(rows[0]) is None
+    (rec,) = report.recommend(rows, min_acceptance=0.4)
+    assert rec["parallel_drafting"] is True and rec["speculative_config"]["parallel_drafting"] is True
+    assert "parallel draft" in rec["reason"]
+    md = report.markdown(_md_report(rows))
+    assert "| p | 2 | parallel | greedy |" in md and "| a | 2 | autoregressive | greedy |" in md
+    assert "| no_spec | 0 | – | – |" in md
+
+
+def test_build_configs_parallel_draft():
+    cfgs = jobs.build_configs(
+        drafts=[("p", "/p"), ("a", "/a")],
+        ks=[1, 2, 4],
+        temperatures=[0.0],
+        draft_sample_methods=["greedy"],
+        ngram_k=None,
+        parallel={"p": 2},
+    )
+    assert [(c["name"], c["k"], c["parallel_drafting"]) for c in cfgs if c["method"]] == [
+        ("p", 1, True),
+        ("p", 2, True),
+        ("a", 1, False),
+        ("a", 2, False),
+        ("a", 4, False),
+    ]
+    assert "parallel_drafting" not in cfgs[0]  # no_spec
+    assert jobs.parallel_ks([4, 6], 3) == [3] and jobs.parallel_ks([1, 5], 0) == [1, 5]

@@ -353,3 +353,104 @@ def test_real_worker_crash_or_hang_keeps_partial_results_marked_incomplete(
     assert "INCOMPLETE" in md and "**do not deploy**" in md
     assert "engine 4/4" in (out / "worker.log").read_text()
     assert not (run_dir(cfg_args) / "stages" / "eval.json").exists()
+
+
+# ---- parallel (PARD) drafts -------------------------------------------------------------------------------
+
+
+def _parallel_draft(src: Path, dst: Path, k: int, mask: int = 0) -> Path:
+    """A copy of `src` marked as a k-token parallel draft (what `mark_parallel` writes to config.json)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(pard_token=mask, distill_parallel_tokens=k)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _with_drafts(cfg_args, drafts: str) -> list[str]:
+    return [a for a in cfg_args if not a.startswith(("eval.drafts=", "eval.k="))] + [f"eval.drafts={drafts}"]
+
+
+def test_parallel_draft_sweeps_k_up_to_its_trained_k(cfg_args, fake_worker, tiny_target_dir, tmp_path):
+    pard = _parallel_draft(tiny_target_dir, tmp_path / "pard", k=2)
+    args = _with_drafts(cfg_args, f"[{{name: good, model: {pard}}}, {{name: ar, model: {tiny_target_dir}}}]")
+    assert main(["eval", *args, "eval.k=[1,2,4]", "eval.ngram=false"]) == 0
+    job = fake_worker[0]["job"]
+    par = [c for c in job["configs"] if c["name"] == "good"]
+    assert sorted(c["k"] for c in par) == [1, 2] and all(c["parallel_drafting"] is True for c in par)
+    ar = [c for c in job["configs"] if c["name"] == "ar"]
+    assert sorted(c["k"] for c in ar) == [1, 2, 4] and not any(c["parallel_drafting"] for c in ar)
+    out = run_dir(args) / "eval"
+    rep = json.loads((out / "report.json").read_text())
+    rows = {(r["name"], r["k"]): r for r in rep["results"]}
+    assert rows[("good", 2)]["parallel_drafting"] is True and rows[("ar", 4)]["parallel_drafting"] is False
+    assert rows[("no_spec", 0)]["parallel_drafting"] is False
+    assert any(
+        "'good' is a parallel draft trained for k <= 2" in n and "not at k=[4]" in n for n in rep["notes"]
+    )
+    rec = rep["recommendation"]
+    assert rec["name"] == "good" and rec["parallel_drafting"] is True
+    assert rec["speculative_config"] == {
+        "method": "draft_model",
+        "num_speculative_tokens": rec["k"],
+        "model": str(pard),
+        "draft_sample_method": "greedy",
+        "parallel_drafting": True,
+    }
+    md = (out / "report.md").read_text()
+    assert "| good | 2 | parallel | greedy |" in md and "| ar | 4 | autoregressive | greedy |" in md
+    assert '"parallel_drafting": true' in md and "ONE forward pass" in md
+    # analytic speedup from the measured acceptance: one draft forward per round for the parallel draft
+    c, acc = rows[("good", 2)]["cost_ratio"], rows[("good", 2)]["acceptance_rate"]
+    assert rows[("good", 2)]["analytic_speedup"] == pytest.approx((1 + acc + acc**2) / (1 + c))
+
+
+def test_parallel_draft_measured_at_its_k_when_eval_k_is_larger(
+    cfg_args, fake_worker, tiny_target_dir, tmp_path
+):
+    pard = _parallel_draft(tiny_target_dir, tmp_path / "pard", k=2)
+    args = _with_drafts(cfg_args, f"[{{name: good, model: {pard}}}]")
+    assert main(["eval", *args, "eval.k=[3,4]", "eval.ngram=false"]) == 0
+    job = fake_worker[0]["job"]
+    assert {c["k"] for c in job["configs"] if c["method"]} == {2}
+    rep = json.loads((run_dir(args) / "eval" / "report.json").read_text())
+    assert any("has no such k: measured at k=2 instead" in n for n in rep["notes"])
+
+
+def test_parallel_draft_with_mask_outside_the_vocabulary(cfg_args, capsys, tiny_target_dir, tmp_path):
+    pard = _parallel_draft(tiny_target_dir, tmp_path / "pard", k=2, mask=10_000)
+    _assert_input_error(_with_drafts(cfg_args, f"[{{name: p, model: {pard}}}]"), capsys, "pard_token 10000")
+
+
+def test_parallel_analytic_estimate(cfg_args, fake_worker, tiny_target_dir, tmp_path):
+    """The target marked as a parallel draft: its position 0 is the target's own next token (α_0 = 1), the
+    estimate uses one draft forward per round (E / (1 + c))."""
+    pard = _parallel_draft(tiny_target_dir, tmp_path / "pard", k=2)
+    args = [
+        a
+        for a in _with_drafts(cfg_args, f"[{{name: good, model: {pard}}}]")
+        if not a.startswith("eval.analytic")
+    ]
+    assert (
+        main(
+            [
+                "eval",
+                *args,
+                "eval.analytic_prompts=2",
+                "eval.max_tokens=8",
+                "eval.k=[1,2]",
+                "eval.ngram=false",
+            ]
+        )
+        == 0
+    )
+    rep = json.loads((run_dir(args) / "eval" / "report.json").read_text())
+    (est,) = rep["analytic"]["estimated_acceptance"]
+    assert (
+        est["parallel"] is True and est["k"] == 2 and est["alpha_per_draft_position"][0] == pytest.approx(1.0)
+    )
+    rows = {r["k"]: r for r in rep["results"] if r["method"] == "draft_model"}
+    e1, e2 = est["tokens_per_round"]
+    assert e1 == pytest.approx(2.0) and rows[1]["estimated_acceptance"] == pytest.approx(1.0)
+    assert rows[2]["estimated_acceptance"] == pytest.approx((e2 - 1) / 2)
+    assert rows[2]["estimated_speedup"] == pytest.approx(e2 / 1.2)  # eval.cost_ratio=0.2

@@ -6,6 +6,13 @@ draft step costing c target steps (Leviathan et al. 2023):
 - expected speedup = (1 − α^(k+1)) / ((1 − α)(1 + k·c));
 - expected acceptance at draft position i (0-based) = α^(i+1).
 α itself is estimated from the two models' distributions: α = E[Σ_x min(p(x), q(x))] = 1 − TVD(p, q).
+
+A parallel (PARD) draft proposes all k tokens in ONE forward pass, so a round costs 1 + c target steps, not
+1 + k·c, and its positions differ a lot (mask j predicts j tokens further ahead without seeing them):
+- expected tokens per round E = 1 + Σ_{i=1..k} Π_{j<i} α_j, α_j = acceptance at draft position j given that
+  positions 0..j-1 were accepted (`parallel_tokens_per_round`);
+- expected speedup = E / (1 + c).
+The α_j are estimated with one packed draft forward per prompt (`estimate_parallel_acceptance`).
 """
 
 from __future__ import annotations
@@ -53,11 +60,43 @@ def expected_acceptance_length(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, k: int, c: float) -> float:
-    """Expected walltime speedup over plain decoding: (1 − α^(k+1)) / ((1 − α)(1 + k·c))."""
+def expected_speedup(alpha: float, k: int, c: float, *, parallel: bool = False) -> float:
+    """Expected walltime speedup over plain decoding: (1 − α^(k+1)) / ((1 − α)(1 + k·c)); a parallel draft
+    drafts all k in one forward, so (1 + c) replaces (1 + k·c)."""
     if c < 0:
         raise ValueError(f"cost ratio c must be >= 0, got {c}")
-    return expected_acceptance_length(alpha, k) / (1.0 + k * c)
+    return expected_acceptance_length(alpha, k) / (1.0 + draft_cost(k, c, parallel=parallel))
+
+
+def draft_cost(k: int, c: float, *, parallel: bool = False) -> float:
+    """Draft cost of one round in target steps: k·c, or c for a parallel draft (one forward); 0 at k = 0."""
+    if k <= 0:
+        return 0.0
+    return c if parallel else k * c
+
+
+def parallel_tokens_per_round(alphas: Sequence[float], k: int) -> float:
+    """E[tokens per round] of a parallel draft: 1 + Σ_{i=1..k} Π_{j<i} α_j.
+
+    alphas[j] is the acceptance at draft position j given that positions 0..j-1 were accepted, so the product
+    is the chance that at least i proposals are accepted; the 1 is the target's own token.
+    """
+    if k < 0 or k > len(alphas):
+        raise ValueError(f"k must be in [0, {len(alphas)}] (one alpha per draft position), got {k}")
+    if any(not 0.0 <= a <= 1.0 for a in alphas[:k]):
+        raise ValueError(f"alphas must be in [0, 1], got {list(alphas[:k])}")
+    total, reach = 1.0, 1.0
+    for a in alphas[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+def expected_parallel_speedup(alphas: Sequence[float], k: int, c: float) -> float:
+    """Expected speedup of a parallel draft at k: parallel_tokens_per_round / (1 + c)."""
+    if c < 0:
+        raise ValueError(f"cost ratio c must be >= 0, got {c}")
+    return parallel_tokens_per_round(alphas, k) / (1.0 + draft_cost(k, c, parallel=True))
 
 
 def expected_per_position_acceptance(alpha: float, k: int) -> list[float]:
@@ -201,3 +240,127 @@ def _ragged_mean(rows: list[torch.Tensor]) -> list[float]:
         vals = [float(r[j]) for r in rows if len(r) > j]
         out.append(sum(vals) / len(vals))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parallel (PARD) drafts
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def parallel_proposal_acceptance(
+    target: Any,
+    draft: Any,
+    prompt_ids: Sequence[int],
+    continuation: Sequence[int],
+    *,
+    k: int,
+    mask_id: int,
+    sampling: Sampling,
+    draft_sample_method: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance probability Σ min(p, q) of every proposal a k-token parallel draft makes along the target's
+    continuation, from ONE packed draft forward (`distill.train.parallel.build_parallel_view`), and whether
+    the draft's argmax is the target's: two [R, k] tensors (float64, bool), a row per round (anchored at each
+    continuation token but the last k), column j = draft position j.
+
+    A round anchored at continuation token a (vLLM's "next token") proposes a+1..a+k: position 0 from the
+    logits at a, position j from mask j. p is the target's warped distribution at the proposed token on the
+    continuation; q the draft's (the one-hot of its argmax for greedy drafting), as in the reference engine.
+    Rounds whose k proposals would run past the continuation are left out.
+    """
+    from distill.train.parallel import build_parallel_view
+
+    device = next(target.parameters()).device
+    n_prompt, ids = len(prompt_ids), [*prompt_ids, *continuation]
+    if len(continuation) < k + 1:
+        return torch.zeros(0, k, dtype=torch.float64), torch.zeros(0, k, dtype=torch.bool)
+    # Counted tokens start after the first continuation token: every anchor is a generated token, as in vLLM.
+    loss_mask = torch.tensor([[0] * (n_prompt + 1) + [1] * (len(continuation) - 1)])
+    input_ids = torch.tensor([ids])
+    view = build_parallel_view(
+        input_ids, torch.ones_like(input_ids), loss_mask, k=k, mask_token_id=mask_id, pad_id=0
+    ).to(device)
+    hidden = draft.get_decoder()(
+        input_ids=view.input_ids, attention_mask=view.attention, position_ids=view.position_ids
+    ).last_hidden_state
+    draft_logits = draft.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[view.predict_at])
+    # Counted token i sits at n_prompt + 1 + i; the target predicts it from the position before.
+    target_logits = target(input_ids=input_ids.to(device)).logits[0]
+    vocab = min(target_logits.shape[-1], draft_logits.shape[-1])  # embedding tables may be padded
+    t_logits, d_logits = target_logits[n_prompt + view.target_index, :vocab], draft_logits[:, :vocab]
+    p = warp(t_logits, sampling)
+    q = warp(d_logits, Sampling(0.0) if draft_sample_method == "greedy" else sampling)
+    accept = torch.minimum(p.double(), q.double()).sum(dim=-1)
+    match = (t_logits.argmax(dim=-1) == d_logits.argmax(dim=-1)).double()
+    table = torch.full((len(continuation), k, 2), float("nan"), dtype=torch.float64, device=accept.device)
+    table[view.anchor, view.draft_position] = torch.stack([accept, match], dim=-1)
+    table = table[~table.isnan().any(dim=2).any(dim=1)].cpu()
+    return table[..., 0], table[..., 1].bool()
+
+
+def estimate_parallel_acceptance(
+    target: Any,
+    draft: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    k: int | None = None,
+    max_tokens: int = 32,
+    eos_token_id: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    draft_sample_method: str = "greedy",
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """Per-draft-position acceptance of a parallel draft on the target's greedy continuations of `prompts`.
+
+    Returns {"alpha_per_draft_position": α_j given positions < j accepted, "accept_at_least": P(at least i
+    accepted), i = 1..k, "tokens_per_round": E at each k' = 1..k (`parallel_tokens_per_round`),
+    "top1_agreement_per_draft_position", "num_rounds", "num_positions", "parallel": True}. At temperature 0
+    with greedy drafting the per-round products are 0/1 and E is exact on these continuations; otherwise each
+    round's positions are taken as independent given the continuation. `k` defaults to the K in the draft's
+    config; the mask id is its `pard_token`.
+    """
+    from distill.models.draft import parallel_tokens_of
+
+    target, draft = _as_model(target, dtype), _as_model(draft, dtype)
+    k = k or parallel_tokens_of(draft.config)
+    if not k or getattr(draft.config, "pard_token", None) is None:
+        raise ValueError("estimate_parallel_acceptance needs a parallel draft (pard_token in its config)")
+    sampling = Sampling(temperature, top_p)
+    mask_id = int(draft.config.pard_token)
+    accepts, matches = [], []
+    for prompt in prompts:
+        cont = target_generate(
+            target, prompt, max_tokens=max_tokens, eos_token_id=eos_token_id, sampling=Sampling(0.0)
+        )
+        accept, match = parallel_proposal_acceptance(
+            target,
+            draft,
+            prompt,
+            cont,
+            k=k,
+            mask_id=mask_id,
+            sampling=sampling,
+            draft_sample_method=draft_sample_method,
+        )
+        accepts.append(accept)
+        matches.append(match)
+    table = torch.cat(accepts)
+    if table.shape[0] == 0:
+        raise ValueError(f"no continuation is longer than k + 1 = {k + 1} tokens: raise max_tokens")
+    at_least = table.cumprod(dim=1).mean(dim=0).tolist()  # P(positions 0..i-1 all accepted)
+    before = [1.0, *at_least[:-1]]
+    alphas = [a / b if b > 0 else 0.0 for a, b in zip(at_least, before, strict=True)]
+    return {
+        "parallel": True,
+        "k": k,
+        "alpha_per_draft_position": alphas,
+        "accept_at_least": at_least,
+        "tokens_per_round": [1.0 + sum(at_least[:i]) for i in range(1, k + 1)],
+        "top1_agreement_per_draft_position": torch.cat(matches).double().mean(dim=0).tolist(),
+        "num_rounds": int(table.shape[0]),
+        "num_positions": int(table.numel()),
+        "temperature": temperature,
+        "draft_sample_method": draft_sample_method,
+    }

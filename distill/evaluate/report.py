@@ -8,6 +8,7 @@ tokens_per_s at the same temperature on the same prompts, tokens_per_s being the
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -72,6 +73,7 @@ def result_row(res: dict[str, Any], base: dict[str, Any] | None, *, dtype: str) 
             "error",
         )
     }
+    row["parallel_drafting"] = bool(res.get("parallel_drafting"))
     row["dtype"] = dtype
     row["tokens_per_s"] = tps
     row["speedup"] = (tps / base_tps) if (tps is not None and base_tps) else None
@@ -99,9 +101,15 @@ def build_rows(results: list[dict[str, Any]], *, dtype: str) -> list[dict[str, A
     return [result_row(r, bases.get(float(r["temperature"])), dtype=dtype) for r in results]
 
 
+def _speedup(expected_speedup: Callable[..., float], alpha: float, row: dict[str, Any], c: float) -> float:
+    """expected_speedup(α, k, c), told when the row's draft proposes all k in one forward (parallel)."""
+    extra = {"parallel": True} if row.get("parallel_drafting") else {}
+    return float(expected_speedup(min(alpha, 1.0 - 1e-9), int(row["k"]), c, **extra))
+
+
 def add_analytic(
     rows: list[dict[str, Any]],
-    expected_speedup: Callable[[float, int, float], float],
+    expected_speedup: Callable[..., float],
     cost_ratio: dict[str, float],
 ) -> None:
     """Beside each measured speedup, the analytic one from the measured acceptance and the cost ratio c."""
@@ -111,25 +119,45 @@ def add_analytic(
         if row.get("method") != "draft_model" or c is None or alpha is None or not row.get("k"):
             continue
         row["cost_ratio"] = c
-        row["analytic_speedup"] = float(expected_speedup(min(float(alpha), 1.0 - 1e-9), int(row["k"]), c))
+        row["analytic_speedup"] = _speedup(expected_speedup, float(alpha), row, c)
 
 
 def add_estimates(
     rows: list[dict[str, Any]],
-    expected_speedup: Callable[[float, int, float], float],
+    expected_speedup: Callable[..., float],
     cost_ratio: dict[str, float],
     estimates: dict[tuple[str, float, str], dict[str, Any]],
 ) -> None:
-    """Beside each measured acceptance and speedup, the ones predicted from the estimated acceptance."""
+    """Beside each measured acceptance and speedup, the ones predicted from the estimated acceptance.
+
+    A parallel draft's estimate carries `tokens_per_round` (E at k = 1..K, from per-draft-position
+    acceptance): its acceptance rate is (E − 1) / k and its speedup E / (1 + c), one draft forward a round.
+    """
     for row in rows:
         key = (str(row.get("name")), float(row["temperature"]), row.get("draft_sample_method") or "greedy")
         est, c = estimates.get(key), cost_ratio.get(str(row.get("name")))
         if row.get("method") != "draft_model" or est is None or not row.get("k"):
             continue
+        if "tokens_per_round" in est:
+            _add_parallel_estimate(row, est, c)
+            continue
+        if est.get("alpha") is None:
+            continue
         alpha = float(est["alpha"])
         row["estimated_acceptance"] = alpha
         if c is not None:
-            row["estimated_speedup"] = float(expected_speedup(min(alpha, 1.0 - 1e-9), int(row["k"]), c))
+            row["estimated_speedup"] = _speedup(expected_speedup, alpha, row, c)
+
+
+def _add_parallel_estimate(row: dict[str, Any], est: dict[str, Any], c: float | None) -> None:
+    k, per_k = int(row["k"]), list(est["tokens_per_round"])
+    if not row.get("parallel_drafting") or k > len(per_k):
+        return  # measured autoregressively, or past the k the estimate covers: no matching estimate
+    tokens = float(per_k[k - 1])
+    row["estimated_acceptance"] = (tokens - 1.0) / k
+    row["estimated_mean_acceptance_length"] = tokens
+    if c is not None:
+        row["estimated_speedup"] = tokens / (1.0 + c)
 
 
 def recommend(
@@ -224,6 +252,8 @@ def _gate(best: dict[str, Any], min_acceptance: float, incomplete: str | None = 
     label = f"{best['name']} k={best['k']}" + (
         f" ({best['draft_sample_method']} drafting)" if best.get("draft_sample_method") else ""
     )
+    if best.get("parallel_drafting"):
+        label += " (parallel draft: one forward pass proposes all k)"
     rec = {
         "temperature": float(best["temperature"]),
         "name": best["name"],
@@ -231,6 +261,8 @@ def _gate(best: dict[str, Any], min_acceptance: float, incomplete: str | None = 
         "draft": best.get("draft"),
         "k": best["k"],
         "draft_sample_method": best.get("draft_sample_method"),
+        "parallel_drafting": bool(best.get("parallel_drafting")),
+        "speculative_config": speculative_config(best),
         "speedup": speedup,
         "acceptance_rate": acc,
         "min_acceptance": min_acceptance,
@@ -245,6 +277,20 @@ def _gate(best: dict[str, Any], min_acceptance: float, incomplete: str | None = 
     else:
         rec["reason"] = f"{label} is the fastest: {speedup:.2f}x the target alone, acceptance {acc:.2f}."
     return rec
+
+
+def speculative_config(row: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` for a measured row (None for no speculation), as the worker ran it (for
+    ngram, the prompt-lookup bounds are in the report's settings)."""
+    if row.get("method") is None:
+        return None
+    spec: dict[str, Any] = {"method": row["method"], "num_speculative_tokens": int(row["k"])}
+    if row["method"] == "draft_model":
+        spec["model"] = row.get("draft")
+        spec["draft_sample_method"] = row.get("draft_sample_method") or "greedy"
+        if row.get("parallel_drafting"):
+            spec["parallel_drafting"] = True
+    return spec
 
 
 def greedy_warnings(rows: list[dict[str, Any]]) -> list[str]:
@@ -305,7 +351,15 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for rec in report.get("recommendations", []):
         verdict = "deploy" if rec["deploy"] else "**do not deploy**"
-        lines.append(f"- T={rec['temperature']}: {verdict} — {rec['reason']}")
+        spec = rec.get("speculative_config")
+        serve = f" `--speculative-config '{json.dumps(spec)}'`" if spec and rec["deploy"] else ""
+        lines.append(f"- T={rec['temperature']}: {verdict} — {rec['reason']}{serve}")
+    if any(r.get("parallel_drafting") for r in report.get("results", [])):
+        lines.append(
+            "- parallel drafting: a parallel draft proposes all k tokens in ONE forward pass (its input ends "
+            "with k − 1 mask tokens; vLLM `parallel_drafting: true`), so a round costs about one draft step "
+            "instead of k; it is measured only at k up to the k it was trained for."
+        )
     lines.append("")
     for temp in sorted({float(r["temperature"]) for r in report["results"]}):
         lines += _table(temp, [r for r in report["results"] if float(r["temperature"]) == temp])
@@ -333,18 +387,26 @@ def _est(row: dict[str, Any], key: str) -> str:
     return f" ({row[key]:.2f})" if row.get(key) is not None else ""
 
 
+def _drafting(row: dict[str, Any]) -> str:
+    """How the draft proposes: one forward per token (autoregressive) or all k in one (parallel)."""
+    if row.get("method") != "draft_model":
+        return row.get("method") or "–"
+    return "parallel" if row.get("parallel_drafting") else "autoregressive"
+
+
 def _table(temp: float, rows: list[dict[str, Any]]) -> list[str]:
     out = [
         f"## Temperature {temp}",
         "",
-        "| config | k | drafting | acceptance rate (est.) | mean acceptance length | tokens/s | speedup | "
-        "analytic speedup: measured a (est. a) | greedy match (mean common prefix) | start-up s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| config | k | drafting | draft sampling | acceptance rate (est.) | mean acceptance length | tokens/s "
+        "| speedup | analytic speedup: measured a (est. a) | greedy match (mean common prefix) | start-up s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = r["name"] + (" (error)" if r.get("error") else "")
         out.append(
-            f"| {name} | {r.get('k')} | {r.get('draft_sample_method') or '–'} | {_fmt(r.get('acceptance_rate'))}{_est(r, 'estimated_acceptance')} "
+            f"| {name} | {r.get('k')} | {_drafting(r)} | {r.get('draft_sample_method') or '–'} "
+            f"| {_fmt(r.get('acceptance_rate'))}{_est(r, 'estimated_acceptance')} "
             f"| {_fmt(r.get('mean_acceptance_length'))} | {_fmt(r.get('tokens_per_s'), '.1f')} "
             f"| {_fmt(r.get('speedup'))} | {_fmt(r.get('analytic_speedup'))}{_est(r, 'estimated_speedup')} | {_fmt(r.get('greedy_match'))}{_prefix(r)} "
             f"| {_fmt(r.get('startup_s'), '.1f')} |"

@@ -41,6 +41,7 @@ class Plan:
     skipped_prompts: int
     max_model_len: int
     notes: list[str] = field(default_factory=list)
+    parallel: dict[str, int] = field(default_factory=dict)  # draft name -> K of a parallel (PARD) draft
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -103,6 +104,48 @@ def resolve_drafts(cfg: Config, target_tok: Any) -> tuple[dict[str, Path], dict[
     return folders, configs
 
 
+def parallel_drafts(cfg: Config, configs: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
+    """Which drafts are parallel (PARD) drafts, from their configs: name -> K, and notes for the report.
+
+    Such a draft is measured with vLLM's `parallel_drafting` at the k of `eval.k` that are <= K (the masks
+    past K were never trained); when none is, at K.
+    """
+    from distill.models.draft import parallel_tokens_of
+
+    found, notes = {}, []
+    for i, d in enumerate(cfg.eval.drafts):
+        config = configs[d.name]
+        mask = getattr(config, "pard_token", None)
+        big_k = parallel_tokens_of(config)
+        if mask is not None and not 0 <= int(mask) < int(config.vocab_size):
+            raise InputError(
+                f"eval.drafts[{i}].model: draft '{d.name}' has pard_token {mask} (its parallel-drafting mask "
+                f"id) outside its {config.vocab_size} embeddings; retrain it with a valid draft.mask_token_id."
+            )
+        if not big_k:
+            if mask is not None:
+                notes.append(
+                    f"draft '{d.name}' has a pard_token but no distill_parallel_tokens (the k it was trained "
+                    "for): measured as an ordinary autoregressive draft."
+                )
+            continue
+        found[d.name] = big_k
+        ks = jobs.parallel_ks(list(cfg.eval.k), big_k)
+        if not any(k <= big_k for k in cfg.eval.k):
+            notes.append(
+                f"draft '{d.name}' is a parallel draft trained for k <= {big_k}, but eval.k {list(cfg.eval.k)} "
+                f"has no such k: measured at k={big_k} instead."
+            )
+        else:
+            skipped = [k for k in cfg.eval.k if k > big_k]
+            if skipped:
+                notes.append(
+                    f"draft '{d.name}' is a parallel draft trained for k <= {big_k}: measured at k={ks}, "
+                    f"not at k={skipped}."
+                )
+    return found, notes
+
+
 def _under(path: Path, parent: Path) -> bool:
     try:
         path.resolve().relative_to(parent.resolve())
@@ -162,6 +205,7 @@ def preflight(cfg: Config) -> Plan:
     target_tok = load_tokenizer(target_dir, trust_remote_code=tc)
     target_config = load_model_config(target_dir, trust_remote_code=tc)
     drafts, draft_configs = resolve_drafts(cfg, target_tok)
+    parallel, parallel_notes = parallel_drafts(cfg, draft_configs)
     records, source = load_eval_prompts(cfg)
     prompts, skipped = tokenize_prompts(records, target_tok, cfg.data.max_prompt_tokens)
     if not prompts:
@@ -169,7 +213,8 @@ def preflight(cfg: Config) -> Plan:
             f"eval.prompts: all {len(records)} prompts are longer than data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens}; raise it or use shorter prompts."
         )
-    max_model_len = max(map(len, prompts)) + cfg.eval.max_tokens + max([*cfg.eval.k, cfg.eval.ngram_k]) + 8
+    max_k = max([*cfg.eval.k, cfg.eval.ngram_k, *parallel.values()])
+    max_model_len = max(map(len, prompts)) + cfg.eval.max_tokens + max_k + 8
     limit = int(getattr(target_config, "max_position_embeddings", 0) or 0)
     if limit and max_model_len > limit:
         raise InputError(
@@ -201,7 +246,8 @@ def preflight(cfg: Config) -> Plan:
         prompt_source=source,
         skipped_prompts=skipped,
         max_model_len=max_model_len,
-        notes=notes,
+        notes=notes + parallel_notes,
+        parallel=parallel,
     )
 
 
@@ -228,6 +274,7 @@ def build_job(cfg: Config, plan: Plan, partial_path: Path | None) -> dict[str, A
             temperatures=list(e.temperatures),
             draft_sample_methods=list(e.draft_sample_methods),
             ngram_k=ngram_k,
+            parallel=plan.parallel,
         ),
         "repeats": e.repeats,
         "seed": cfg.run.seed,
@@ -314,7 +361,9 @@ def _analytic(cfg: Config, plan: Plan, rows: list[dict[str, Any]]) -> dict[str, 
         "cost_ratio": ratios,
         "cost_ratio_source": how,
         "formula": "speedup = (1 - a^(k+1)) / ((1 - a)(1 + k c)); analytic_speedup uses the measured "
-        "acceptance a, estimated_speedup the acceptance estimated from the distributions",
+        "acceptance a, estimated_speedup the acceptance estimated from the distributions. Parallel drafts "
+        "(one draft forward per round): (1 + c) replaces (1 + k c), and the estimate is E / (1 + c) with "
+        "E = 1 + sum_{i=1..k} prod_{j<i} a_j from the acceptance a_j at each draft position",
         "estimated_acceptance": [
             {"name": n, "temperature": t, "draft_sample_method": m, **v} for (n, t, m), v in estimates.items()
         ],
@@ -336,21 +385,44 @@ def _estimated_acceptance(
             if r.get("method") == "draft_model"
         }
     )
-    eos = plan.eos_token_id
     out = {}
     for name, temp, dsm in keys:
-        est = analytic.estimate_acceptance(
-            plan.target_dir,
-            plan.drafts[name],
-            plan.prompts[:n],
-            max_tokens=min(cfg.eval.max_tokens, 64),
-            eos_token_id=eos,
-            temperature=temp,
-            draft_sample_method=dsm,
-            dtype=plan.dtype,
-        )
+        kwargs = {
+            "max_tokens": min(cfg.eval.max_tokens, 64),
+            "eos_token_id": plan.eos_token_id,
+            "temperature": temp,
+            "draft_sample_method": dsm,
+            "dtype": plan.dtype,
+        }
+        if name in plan.parallel:
+            out[(name, temp, dsm)] = _parallel_estimate(plan, name, n, kwargs, analytic)
+            continue
+        est = analytic.estimate_acceptance(plan.target_dir, plan.drafts[name], plan.prompts[:n], **kwargs)
         out[(name, temp, dsm)] = {k: est[k] for k in ("alpha", "top1_agreement", "num_positions") if k in est}
     return out
+
+
+PARALLEL_ESTIMATE_KEYS = (
+    "k",
+    "alpha_per_draft_position",
+    "tokens_per_round",
+    "top1_agreement_per_draft_position",
+    "num_rounds",
+    "num_positions",
+)
+
+
+def _parallel_estimate(
+    plan: Plan, name: str, n: int, kwargs: dict[str, Any], analytic: Any
+) -> dict[str, Any]:
+    """Per-draft-position acceptance of a parallel draft (one packed forward per prompt), or why not."""
+    try:
+        est = analytic.estimate_parallel_acceptance(
+            plan.target_dir, plan.drafts[name], plan.prompts[:n], k=plan.parallel[name], **kwargs
+        )
+    except ValueError as exc:  # e.g. every continuation shorter than K + 1 tokens
+        return {"parallel": True, "available": False, "note": f"no estimate for parallel draft {name}: {exc}"}
+    return {"parallel": True, **{k: est[k] for k in PARALLEL_ESTIMATE_KEYS}}
 
 
 def _memory(plan: Plan, batch: int) -> dict[str, Any]:
