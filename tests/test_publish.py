@@ -145,7 +145,7 @@ def test_release_loads_verifies_and_carries_the_card(run_dir, overrides, tmp_pat
     assert len(AutoTokenizer.from_pretrained(rel)) == 512
     readme = (rel / "README.md").read_text()
     assert readme.startswith("---\n") and "license:" in readme and '- "speculative-decoding"' in readme
-    assert "| distilled | draft_model | 4 | 0.00 | – | 0.600 | 3.400 |" in readme  # the measured row
+    assert "| distilled | draft_model | 4 | 0.00 | – | autoregressive | 0.600 | 3.400 |" in readme  # measured
     assert "Engine: **hf reference**" in readme and "data/prompts/tiny.jsonl" in readme
     spec = {"method": "draft_model", "model": str(rel.resolve()), "num_speculative_tokens": 4}
     target = load_config(CONFIG, overrides).target.model
@@ -156,6 +156,53 @@ def test_release_loads_verifies_and_carries_the_card(run_dir, overrides, tmp_pat
     assert prov["source"]["draft_files"]["model.safetensors"]
     assert read_latest(rel.parent) == "1" and (rel.parent / "latest").resolve() == rel.resolve()
     assert json.loads((run_dir / "stages" / "publish.json").read_text())["summary"]["version"] == "1"
+
+
+def _mark_parallel(draft_dir: Path, k: int) -> None:
+    config = json.loads((draft_dir / "config.json").read_text())
+    config.update(pard_token=0, distill_parallel_tokens=k)
+    (draft_dir / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("row_says", [True, None])
+def test_parallel_draft_card_serves_parallel_drafting(run_dir, overrides, tmp_path, row_says):
+    """The card's speculative_config and serve line carry parallel_drafting for a parallel draft: from the
+    report row, or (reports from before parallel drafts) from the draft's config, with a warning then."""
+    _mark_parallel(run_dir / "draft", 4)
+    path = run_dir / "eval" / "report.json"
+    report = json.loads(path.read_text())
+    for r in report["results"]:
+        if r["method"] and row_says is not None:
+            r["parallel_drafting"] = row_says
+    path.write_text(json.dumps(report))
+    assert publish(overrides) == 0
+    rel = release_dir(tmp_path)
+    readme = (rel / "README.md").read_text()
+    spec = {
+        "method": "draft_model",
+        "model": str(rel.resolve()),
+        "num_speculative_tokens": 4,
+        "parallel_drafting": True,
+    }
+    assert json.dumps(spec, indent=2) in readme and f"--speculative-config '{json.dumps(spec)}'" in readme
+    assert "## Parallel drafting" in readme and "ONE forward pass proposes all k tokens" in readme
+    assert "k must be ≤ K = 4" in readme
+    measured = "parallel" if row_says else "autoregressive"
+    assert f"| distilled | draft_model | 4 | 0.00 | – | {measured} | 0.600 |" in readme
+    unmeasured = "measured it only as an ordinary draft"
+    assert (unmeasured in readme) is (row_says is None)
+
+
+def test_card_parallel_setting(tmp_path):
+    draft = tmp_path / "d"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"pard_token": 3, "distill_parallel_tokens": 6}))
+    assert card.parallel_setting({"draft": str(draft)}) == (True, 6)
+    assert card.parallel_setting({"draft": str(draft), "parallel_drafting": False}) == (False, 6)
+    assert card.parallel_setting({"draft": str(tmp_path / "missing")}) == (False, 0)
+    assert card.parallel_setting(None) == (False, 0)
+    assert "parallel_drafting" not in card.speculative_config("m", 2)
+    assert card.speculative_config("m", 2, parallel=True)["parallel_drafting"] is True
 
 
 def test_tampered_release_fails_verification(run_dir, overrides, tmp_path, capsys):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.evaluate import report as eval_report
+from distill.publish.gate import draft_parallel_tokens
 from distill.utils.fs import read_json
 
 # Hub ids of the built-in target aliases and licenses we know for certain, so a card can name them even though
@@ -181,8 +182,39 @@ def best_setting(rows: list[dict[str, Any]], report: dict[str, Any]) -> dict[str
     return max(scored, key=lambda r: r["speedup"]) if scored else (greedy[0] if greedy else None)
 
 
-def speculative_config(model_ref: str, k: int) -> dict[str, Any]:
-    return {"method": "draft_model", "model": model_ref, "num_speculative_tokens": int(k)}
+def speculative_config(model_ref: str, k: int, *, parallel: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {"method": "draft_model", "model": model_ref, "num_speculative_tokens": int(k)}
+    if parallel:
+        spec["parallel_drafting"] = True
+    return spec
+
+
+def parallel_setting(row: dict[str, Any] | None) -> tuple[bool, int]:
+    """(serve with parallel_drafting?, K the draft was trained for or 0 if unknown) for the served row.
+
+    The row says how eval measured it (`parallel_drafting`); reports written before parallel drafts carry no
+    such key, and then the draft's config decides.
+    """
+    if not row:
+        return False, 0
+    big_k = draft_parallel_tokens(row.get("draft"))
+    if "parallel_drafting" in row:
+        return bool(row["parallel_drafting"]), big_k
+    return big_k > 0, big_k
+
+
+def parallel_section(k: int, big_k: int) -> str:
+    trained = (
+        f"K = {big_k}" if big_k else "the K it was trained for (`distill_parallel_tokens` in config.json)"
+    )
+    return (
+        "\n## Parallel drafting\n\n"
+        "This is a **parallel draft** (PARD): ONE forward pass proposes all k tokens. vLLM feeds it the newest "
+        "token followed by k − 1 mask tokens (`pard_token` in its config.json) and reads the k proposals from "
+        "those positions, so a round costs about one draft step instead of k. Serve it with "
+        f'`"parallel_drafting": true` (as above, k = {k}); k must be ≤ {trained}: the positions past K were never '
+        "trained. Without `parallel_drafting` vLLM runs it as an ordinary (autoregressive) draft.\n"
+    )
 
 
 def serve_command(target: TargetInfo, spec: dict[str, Any]) -> str:
@@ -220,8 +252,8 @@ def front_matter(inp: CardInputs) -> str:
 
 def eval_table(report: dict[str, Any]) -> str:
     head = (
-        "| draft | method | k | temperature | drafting | acceptance rate | mean acceptance length | tokens/s "
-        "| speedup | greedy match |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| draft | method | k | temperature | draft sampling | drafting | acceptance rate | mean acceptance "
+        "length | tokens/s | speedup | greedy match |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for r in report.get("results", []):
@@ -234,6 +266,7 @@ def eval_table(report: dict[str, Any]) -> str:
                     _fmt(r.get("k")),
                     _fmt(r.get("temperature"), 2),
                     _fmt(r.get("draft_sample_method")),
+                    _drafting(r),
                     _fmt(r.get("acceptance_rate")),
                     _fmt(r.get("mean_acceptance_length")),
                     _fmt(r.get("tokens_per_s"), 1),
@@ -244,6 +277,12 @@ def eval_table(report: dict[str, Any]) -> str:
             + " |"
         )
     return head + "\n" + "\n".join(rows)
+
+
+def _drafting(row: dict[str, Any]) -> str:
+    if row.get("method") != "draft_model":
+        return "–"
+    return "parallel" if row.get("parallel_drafting") else "autoregressive"
 
 
 def measurement_context(report: dict[str, Any]) -> str:
@@ -350,7 +389,8 @@ def render(inp: CardInputs) -> str:
     ours = [r for r in rows if r.get("name") == "distilled"] or rows
     best = best_setting(ours, inp.report)
     k = int(best["k"]) if best and best.get("k") else 4
-    spec = speculative_config(inp.model_ref, k)
+    parallel, big_k = parallel_setting(best)
+    spec = speculative_config(inp.model_ref, k, parallel=parallel)
     warnings = "".join(f"\n> Warning: {w}\n" for w in inp.warnings)
     return f"""{front_matter(inp)}
 # {inp.name} (version {inp.version})
@@ -368,7 +408,7 @@ verifies, so the target's output is unchanged while decoding can be faster.
 ```bash
 {serve_command(inp.target, spec)}
 ```
-
+{parallel_section(k, big_k) if parallel else ""}
 ## Measured results
 
 {measurement_context(inp.report)}

@@ -2,7 +2,8 @@
 
 Refused (exit 2 unless `publish.force`): no `eval/report.json`, a partial report (`"complete": false`), no
 acceptance gain over the base (undistilled) draft at matching (k, temperature), or a failed `greedy_match`
-at temperature 0 in float32 (speculation must not change the target's greedy output).
+at temperature 0 in float32 (speculation must not change the target's greedy output). A parallel (PARD) draft
+that eval measured only as an ordinary draft (an older report) gets a warning: its card serves it in parallel.
 """
 
 from __future__ import annotations
@@ -134,8 +135,33 @@ def check(run_dir: Path) -> GateResult:
         )
     if unchecked:
         result.warnings.append("greedy_match not reported at temperature 0 for " + ", ".join(unchecked))
+    result.warnings.extend(_parallel_unmeasured(run_dir, result.distilled))
     result.warnings.extend(_staleness(run_dir))
     return result
+
+
+def draft_parallel_tokens(draft_dir: str | Path | None) -> int:
+    """K of a parallel (PARD) draft from its config.json (`pard_token` + `distill_parallel_tokens`), else 0."""
+    if not draft_dir:
+        return 0
+    try:
+        config = read_json(Path(draft_dir) / "config.json")
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(config, dict) or config.get("pard_token") is None:
+        return 0
+    k = config.get("distill_parallel_tokens")
+    return k if isinstance(k, int) and not isinstance(k, bool) else 0
+
+
+def _parallel_unmeasured(run_dir: Path, rows: list[dict[str, Any]]) -> list[str]:
+    big_k = draft_parallel_tokens(run_dir / "draft")
+    if not big_k or not rows or any(r.get("parallel_drafting") for r in rows):
+        return []
+    return [
+        f"{run_dir / 'draft'} is a parallel draft (k <= {big_k} in one forward pass) but {run_dir / REPORT} "
+        "measured it only as an ordinary draft; rerun `distill eval` to measure it with parallel_drafting"
+    ]
 
 
 def _staleness(run_dir: Path) -> list[str]:
