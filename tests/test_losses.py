@@ -214,3 +214,30 @@ def test_eval_stats_greedy_and_sampled():
     sp_acc, sp_top1 = eval_token_stats(s, _topk(t, t.shape[-1]), 1.0)
     torch.testing.assert_close(sp_acc, acc, rtol=1e-5, atol=1e-6)
     assert sp_top1.tolist() == top1.tolist()
+
+
+def test_sparse_rest_complement_equals_the_exact_logsumexp_in_both_regimes():
+    """The fast complement log(1 - top mass) and the exact path (confident rows) agree, values and gradients."""
+    from distill import losses
+
+    torch.manual_seed(3)
+    v, k = 500, 8
+    t = (torch.randn(6, v) * 3).float()
+    st = _topk(t, k)
+    s = (torch.randn(6, v) * 2).float()
+    s[3:].scatter_(-1, st.ids[3:], 30.0)  # rows 3-5: the student's top-k hold > 1 - 1e-4 of its mass
+    a = s.clone().requires_grad_(True)
+    _, fast = sparse_pair(st, a)
+    top = a.gather(-1, st.ids) - torch.logsumexp(a, -1, keepdim=True)
+    b = s.clone().requires_grad_(True)
+    outside = b.scatter(-1, st.ids, losses._EMPTY)
+    ref_rest = torch.logsumexp(outside, -1) - torch.logsumexp(b, -1)
+    torch.testing.assert_close(fast[:, -1], ref_rest, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast[:, :-1], top.detach(), rtol=1e-6, atol=1e-6)
+    # The exact path was taken for the confident rows only.
+    assert (top.detach().exp().sum(-1)[3:] > 1 - 1e-4).all() and (
+        top.detach().exp().sum(-1)[:3] < 0.999
+    ).all()
+    fast[:, -1].sum().backward()
+    ref_rest.sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)

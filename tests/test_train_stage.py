@@ -517,3 +517,17 @@ def test_padded_target_cache_rows_past_the_tokenizer_train(
     final = json.loads((cfg.run_dir / "train" / "val_metrics.json").read_text())["final"]
     assert all(math.isfinite(f["loss"]) for f in (base, final))
     assert final["loss"] < base["loss"]
+
+
+def test_freeze_embeddings_keeps_the_head_and_trains_the_rest(tiny_config_overrides, data_template):
+    from distill.train.stage import run
+
+    cfg = make_cfg(tiny_config_overrides, data_template, "train.max_steps=10", "train.freeze_embeddings=true")
+    assert run(cfg) is None
+    before, after = draft_state(cfg.run_dir / "draft_init"), draft_state(cfg.run_dir / "draft")
+    emb = "model.embed_tokens.weight"
+    assert torch.equal(before[emb], after[emb])
+    if "lm_head.weight" in after:
+        assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+    moved = [k for k in before if k != emb and not torch.equal(before[k], after[k])]
+    assert any(".layers.0." in k for k in moved)

@@ -45,6 +45,12 @@ class TrainConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
     adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0.0, lt=1.0)
     grad_clip: float = opt(1.0, "Clip the gradient norm to this value (0 = off).", ge=0.0)
+    freeze_embeddings: bool = opt(
+        False,
+        "Keep the draft's input embeddings and output head at their starting values (the target's, for "
+        "`draft.init: truncate`): the draft learns to reach the target's output space instead of moving it, "
+        "and the vocabulary-sized weight gradient and its optimizer update are skipped.",
+    )
     max_seq_len: int = opt(512, "Sequences are cut to this many tokens.", ge=8)
     teacher: Literal["online", "cached"] = opt(
         "online",

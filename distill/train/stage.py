@@ -243,6 +243,17 @@ def val_positions(cfg: Config, draft: Any) -> int:
     return parallel.tokens if parallel is not None else cfg.train.val_max_positions
 
 
+def freeze_embeddings(draft: Any) -> int:
+    """Stop training the input embeddings and the output head (one matrix when tied); returns the weights frozen."""
+    frozen: dict[int, Any] = {}
+    for module in (draft.get_input_embeddings(), draft.get_output_embeddings()):
+        if module is not None:
+            frozen[id(module.weight)] = module.weight
+    for weight in frozen.values():
+        weight.requires_grad_(False)
+    return sum(w.numel() for w in frozen.values())
+
+
 def build_module(cfg: Config, draft: Any, teacher: Any | None, spec: LossSpec, vocab: int) -> Any:
     from distill.train.module import DistillModule, OptimConfig
 
@@ -466,6 +477,8 @@ def run(cfg: Config) -> int | None:
         baseline = _baseline(cfg, draft, teacher, plan, pad_id, vocab)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     stop = StopFlag()
+    if cfg.train.freeze_embeddings:
+        log.info("train.freeze_embeddings: %d embedding/head weights kept fixed", freeze_embeddings(draft))
     module = build_module(cfg, draft, teacher, plan.spec, vocab)
     module.baseline = baseline  # logged at step 0 of a fresh start, so the curves show the gain
     dm = build_datamodule(cfg, pad_id, parallel_of(draft))
