@@ -174,3 +174,24 @@ def test_mask_token_is_an_unused_special_token():
     assert mask not in chat["input_ids"]
     assert mask not in {tok.eos_token_id, tok.pad_token_id, tok.bos_token_id}
     assert 0 <= mask < len(tok)
+
+
+def test_mask_fraction_keeps_every_next_token_proposal_and_a_stable_share_of_groups():
+    ids, attn, loss = _batch()
+    full = build_parallel_view(ids, attn, loss, k=3, mask_token_id=63, pad_id=0)
+    part = build_parallel_view(
+        ids, attn, loss, k=3, mask_token_id=63, pad_id=0, row_ids=[7, 9], mask_fraction=0.5
+    )
+    again = build_parallel_view(
+        ids, attn, loss, k=3, mask_token_id=63, pad_id=0, row_ids=[7, 9], mask_fraction=0.5
+    )
+    assert int((part.draft_position == 0).sum()) == int((full.draft_position == 0).sum())
+    assert int((part.draft_position > 0).sum()) < int((full.draft_position > 0).sum())
+    assert torch.equal(part.predict_at, again.predict_at)  # the same layout on every pass (resume, epochs)
+
+
+def test_keeps_masks_hits_the_fraction():
+    from distill.train.parallel import keeps_masks
+
+    share = sum(keeps_masks(r, a, 0.3) for r in range(50) for a in range(200)) / 10_000
+    assert abs(share - 0.3) < 0.02

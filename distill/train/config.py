@@ -45,6 +45,14 @@ class TrainConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
     adam_beta2: float = opt(0.99, "AdamW beta2.", ge=0.0, lt=1.0)
     grad_clip: float = opt(1.0, "Clip the gradient norm to this value (0 = off).", ge=0.0)
+    parallel_mask_fraction: float = opt(
+        1.0,
+        "Parallel drafts (draft.parallel_tokens >= 2): share of anchors whose mask group is trained at each "
+        "step (every anchor trains the next-token proposal). Below 1 a step costs about 1 + (k - 1) x this "
+        "fraction of an ordinary draft's step instead of k x, in time and memory.",
+        gt=0.0,
+        le=1.0,
+    )
     freeze_embeddings: bool = opt(
         False,
         "Keep the draft's input embeddings and output head at their starting values (the target's, for "

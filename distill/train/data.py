@@ -8,7 +8,7 @@ checkpoint records the data position and resume continues mid-epoch with exactly
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,12 @@ from distill.train.parallel import ParallelView, build_parallel_view
 
 @dataclass(frozen=True)
 class Parallel:
-    """Parallel drafting (PARD) training: `tokens` proposals per round, masks are `mask_token_id`."""
+    """Parallel drafting (PARD) training: `tokens` proposals per round, masks are `mask_token_id`, and the share
+    of anchors whose mask group is trained (`train.parallel_mask_fraction`)."""
 
     tokens: int
     mask_token_id: int
+    mask_fraction: float = 1.0
 
 
 @dataclass
@@ -123,7 +125,14 @@ def collate_micro(items: list[dict[str, Any]], pad_id: int, parallel: Parallel |
     view = None
     if parallel is not None:
         view = build_parallel_view(
-            ids, attn, mask, k=parallel.tokens, mask_token_id=parallel.mask_token_id, pad_id=pad_id
+            ids,
+            attn,
+            mask,
+            k=parallel.tokens,
+            mask_token_id=parallel.mask_token_id,
+            pad_id=pad_id,
+            row_ids=rows.tolist(),
+            mask_fraction=parallel.mask_fraction,
         )
     return MicroBatch(ids, attn, mask, positions, teacher, rows, view)
 
@@ -228,9 +237,9 @@ class DistillDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         assert self.val_rows is not None
         world, rank = self._world()
-        return val_loader(
-            self.val_rows, self.batch_size, self.pad_id, world=world, rank=rank, parallel=self.parallel
-        )
+        # Validation measures every mask group (the subsampling only saves training compute).
+        full = None if self.parallel is None else replace(self.parallel, mask_fraction=1.0)
+        return val_loader(self.val_rows, self.batch_size, self.pad_id, world=world, rank=rank, parallel=full)
 
 
 def val_loader(

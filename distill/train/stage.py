@@ -228,13 +228,13 @@ def load_teacher(cfg: Config, target_dir: Path) -> Any | None:
     return teacher
 
 
-def parallel_of(draft: Any) -> Any:
+def parallel_of(draft: Any, mask_fraction: float = 1.0) -> Any:
     """The draft's parallel-drafting setup (`distill.train.data.Parallel`), None for an ordinary draft."""
     from distill.models.draft import parallel_tokens_of
     from distill.train.data import Parallel
 
     tokens = parallel_tokens_of(draft.config)
-    return Parallel(tokens, int(draft.config.pard_token)) if tokens else None
+    return Parallel(tokens, int(draft.config.pard_token), mask_fraction) if tokens else None
 
 
 def val_positions(cfg: Config, draft: Any) -> int:
@@ -481,7 +481,7 @@ def run(cfg: Config) -> int | None:
         log.info("train.freeze_embeddings: %d embedding/head weights kept fixed", freeze_embeddings(draft))
     module = build_module(cfg, draft, teacher, plan.spec, vocab)
     module.baseline = baseline  # logged at step 0 of a fresh start, so the curves show the gain
-    dm = build_datamodule(cfg, pad_id, parallel_of(draft))
+    dm = build_datamodule(cfg, pad_id, parallel_of(draft, cfg.train.parallel_mask_fraction))
     trainer = build_trainer(cfg, plan, stop)
     t0 = time.perf_counter()
     _fit(trainer, module, dm, plan, stop)
