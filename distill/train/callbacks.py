@@ -124,3 +124,47 @@ def _fsync(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class LogProgress(Callback):
+    """Training progress as log lines (used instead of the rich bar when stdout is not a terminal: cron, SLURM,
+    `make demo > log`): step, loss, seconds per step and ETA at most every `every_s` seconds, and the
+    validation figures after each validation."""
+
+    def __init__(self, every_s: float = 30.0, clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self.every_s = every_s
+        self.clock = clock or time.monotonic
+        self.start: float | None = None
+        self.start_step = 0
+        self.last = 0.0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.start = self.last = self.clock()
+        self.start_step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = self.clock()
+        step, total = trainer.global_step, trainer.max_steps
+        if not trainer.is_global_zero or (now - self.last < self.every_s and step < total):
+            return
+        self.last = now
+        done = max(step - self.start_step, 1)
+        per_step = (now - self.start if self.start is not None else 0.0) / done
+        loss = trainer.callback_metrics.get("loss")
+        parts = [f"train: step {step}/{total} ({100 * step / max(total, 1):.0f}%)"]
+        if loss is not None:
+            parts.append(f"loss {float(loss):.4f}")
+        parts += [f"{per_step:.2f} s/step", f"eta {per_step * max(total - step, 0) / 60:.1f} min"]
+        log.info(", ".join(parts))
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        figures = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+        if figures:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(figures.items()))
+            log.info(f"validation at step {trainer.global_step}: {shown}")

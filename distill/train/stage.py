@@ -21,7 +21,7 @@ from distill import rundir
 from distill.config import Config, to_dict
 from distill.errors import InputError, Interrupted
 from distill.losses import LossSpec
-from distill.train.callbacks import AtomicCheckpoint, StopFlag, handle_signals
+from distill.train.callbacks import AtomicCheckpoint, LogProgress, StopFlag, handle_signals
 from distill.utils.fs import atomic_write_json, read_json, remove_stale_temporaries
 
 log = logging.getLogger("distill.train")
@@ -305,17 +305,20 @@ def build_trainer(cfg: Config, plan: Plan, stop: StopFlag) -> Any:
     import lightning as L
     from lightning.pytorch.callbacks import RichProgressBar
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from rich.console import Console
 
     t = cfg.train
+    on_terminal = Console().is_terminal
     # One CSV folder per attempt (a resumed run must not overwrite the earlier attempt's rows); `_finish`
     # merges them into train/metrics.csv.
     loggers = [
         CSVLogger(str(plan.train_dir), name="csv"),
         TensorBoardLogger(str(plan.train_dir), name="tensorboard", version=""),
     ]
-    callbacks = [
+    callbacks: list[Any] = [
         AtomicCheckpoint(plan.ckpt_path, every=t.ckpt_every, max_steps=t.max_steps, stop=stop),
-        RichProgressBar(leave=True),
+        # A terminal gets the rich bar; a log file (cron, SLURM) gets a line every 30 s instead.
+        RichProgressBar(leave=True) if on_terminal else LogProgress(),
     ]
     return L.Trainer(
         accelerator=t.accelerator,
@@ -336,6 +339,7 @@ def build_trainer(cfg: Config, plan: Plan, stop: StopFlag) -> Any:
         log_every_n_steps=t.log_every,
         default_root_dir=str(plan.train_dir),
         enable_model_summary=False,
+        enable_progress_bar=on_terminal,
     )
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,21 @@ def worker_command() -> list[str]:
     return [sys.executable, "-m", "distill.vllm_worker"]
 
 
+def _wait(
+    proc: subprocess.Popen[bytes], deadline: float, poll: Callable[[], None] | None, every_s: float
+) -> int:
+    """proc.wait until `deadline` (monotonic), calling `poll` between waits; TimeoutExpired past the deadline."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        try:
+            return proc.wait(timeout=min(left, every_s) if poll else left)
+        except subprocess.TimeoutExpired:
+            if poll is not None:
+                poll()
+
+
 def run_worker(
     job: dict[str, Any],
     *,
@@ -65,11 +80,14 @@ def run_worker(
     env: Mapping[str, str] | None = None,
     what: str = "vLLM worker",
     command: Sequence[str] | None = None,
+    poll: Callable[[], None] | None = None,
+    poll_every_s: float = 2.0,
 ) -> dict[str, Any]:
     """Run `command JOB_FILE RESULT_FILE` (default `python -m distill.vllm_worker`); return its result dict.
 
     Raises `RuntimeFailure` with the worker's log tail when it crashes, exits non-zero or exceeds `timeout_s`
-    (the whole process group is killed, so no engine process is left behind).
+    (the whole process group is killed, so no engine process is left behind). `poll`, when given, is called
+    every `poll_every_s` seconds while the worker runs (progress reporting).
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="distill-worker-") as tmp:
@@ -82,7 +100,7 @@ def run_worker(
                 cmd, stdout=logf, stderr=subprocess.STDOUT, env=worker_env(env), start_new_session=True
             )
             try:
-                rc = proc.wait(timeout=timeout_s)
+                rc = _wait(proc, start + timeout_s, poll, poll_every_s)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 raise RuntimeFailure(
