@@ -454,3 +454,22 @@ def test_parallel_analytic_estimate(cfg_args, fake_worker, tiny_target_dir, tmp_
     assert e1 == pytest.approx(2.0) and rows[1]["estimated_acceptance"] == pytest.approx(1.0)
     assert rows[2]["estimated_acceptance"] == pytest.approx((e2 - 1) / 2)
     assert rows[2]["estimated_speedup"] == pytest.approx(e2 / 1.2)  # eval.cost_ratio=0.2
+
+
+def test_num_prompts_counts_evaluated_prompts_not_prompts_read():
+    """Prompts too long for data.max_prompt_tokens are skipped, and eval reads on until it has num_prompts."""
+    from types import SimpleNamespace
+
+    from distill.evaluate.stage import tokenize_prompts
+
+    class WordTokenizer:
+        chat_template = None
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+            return {"input_ids": [len(w) for w in text.split()]}
+
+    records = [SimpleNamespace(text=" ".join(["w"] * n), messages=[]) for n in (3, 9, 2, 9, 4, 1)]
+    prompts, skipped = tokenize_prompts(records, WordTokenizer(), max_prompt_tokens=5, limit=3)
+    assert [len(p) for p in prompts] == [3, 2, 4] and skipped == 2
+    prompts, skipped = tokenize_prompts(records, WordTokenizer(), max_prompt_tokens=5)
+    assert len(prompts) == 4 and skipped == 2

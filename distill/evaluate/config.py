@@ -26,7 +26,11 @@ class EvalConfig:
     prompt_field: str = opt(
         "auto", "Field holding the prompt in `eval.prompts` (`prompt`, `messages`, `text`, auto)."
     )
-    num_prompts: int = opt(100, "Prompts evaluated.", ge=1)
+    num_prompts: int = opt(
+        100,
+        "Prompts evaluated: the first ones that fit data.max_prompt_tokens (longer ones are skipped).",
+        ge=1,
+    )
     max_tokens: int = opt(128, "New tokens per prompt (stops early at EOS).", ge=1)
     drafts: list[DraftRef] = opt(
         [DraftRef("base", "${run.dir}/draft_init"), DraftRef("distilled", "${run.dir}/draft")],
