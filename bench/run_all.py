@@ -24,9 +24,20 @@ from typing import Any
 
 from bench.common import OUT_DIR, REPO, machine_info, machine_line, utc_now
 
-BENCHES = ("bench_data", "bench_train", "bench_eval", "bench_drafts")
+BENCHES = ("bench_data", "bench_train", "bench_drafts", "bench_recipes", "bench_eval")
 # Quick arguments for benches that have no --quick flag (used only when their --help lacks one).
 QUICK_FALLBACK = {"bench_data": ["--skip-vllm", "--prompts", "16", "--max-new-tokens", "64"]}
+# Full runs that are not a bench's own defaults, each variant with its own log and `<stem>-<variant>` files:
+# bench_train's defaults are a tiny target built in code (right for its acceptance comparison, which trains
+# three drafts to a plateau); its speed figures are wanted on the embedded default.
+FULL_RUNS: dict[str, dict[str, list[str]]] = {
+    "bench_train": {
+        "speed": ["--only", "speed", "--target", "smollm2-135m-instruct", "--draft-layers", "2",
+                  "--seq-len", "384", "--batch-size", "16", "--precision", "bf16-mixed", "--steps", "10",
+                  "--warmup", "2", "--threads", "2", "--n-train", "64", "--n-val", "16"],
+        "acceptance": ["--only", "acceptance"],
+    },
+}  # fmt: skip
 _OUT_FLAG = re.compile(r"--out(?![\w-])")
 
 
@@ -66,13 +77,21 @@ def help_text(name: str) -> str:
     return out.stdout
 
 
-def bench_args(name: str, quick: bool, help_: str, out_dir: Path) -> list[str]:
-    """Arguments for one bench: nothing (its full defaults) or its quick mode; `--out` where it takes one."""
-    args: list[str] = []
+def variants(name: str, quick: bool) -> dict[str, list[str]]:
+    """The runs of one bench: {"": []} (its own defaults, or its quick mode) or FULL_RUNS' variants."""
+    return {"": []} if quick or name not in FULL_RUNS else FULL_RUNS[name]
+
+
+def bench_args(
+    name: str, quick: bool, help_: str, out_dir: Path, variant: str = "", extra: Sequence[str] = ()
+) -> list[str]:
+    """Arguments for one bench run: nothing (its full defaults), a FULL_RUNS variant's, or its quick mode;
+    `--out` where it takes one (`<stem>-<variant>.json` for a variant)."""
+    args: list[str] = list(extra)
     if quick:
         args += ["--quick"] if "--quick" in help_ else QUICK_FALLBACK.get(name, [])
     if _OUT_FLAG.search(help_):  # benches that print unless told where to write their JSON
-        args += ["--out", str(out_dir / f"{stem(name)}.json")]
+        args += ["--out", str(out_dir / f"{stem(name)}{'-' + variant if variant else ''}.json")]
     if "--out-dir" in help_ and out_dir != OUT_DIR:
         args += ["--out-dir", str(out_dir)]
     return args
@@ -107,13 +126,15 @@ def run_one(name: str, args: list[str], log_path: Path) -> dict[str, Any]:
     }
 
 
-def fragments(name: str, out_dir: Path, since: float) -> list[dict[str, Any]]:
+def fragments(name: str, out_dir: Path, since: float, variant: str = "") -> list[dict[str, Any]]:
     """The bench's output files and whether this run wrote them (modified after it started)."""
     found = []
-    for ext in ("md", "json"):
-        path = out_dir / f"{stem(name)}.{ext}"
-        if path.is_file():
-            found.append({"path": path, "fresh": path.stat().st_mtime >= since})
+    for ext in ("md", "json"):  # `<stem>.md`, one per phase (`eval-t0.md`, `eval-t1.md`), or the variant's
+        if variant:
+            paths = [out_dir / f"{stem(name)}-{variant}.{ext}"]
+        else:
+            paths = [out_dir / f"{stem(name)}.{ext}", *sorted(out_dir.glob(f"{stem(name)}-*.{ext}"))]
+        found += [{"path": p, "fresh": p.stat().st_mtime >= since} for p in paths if p.is_file()]
     return found
 
 
@@ -177,13 +198,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     results = []
     for name in names:
-        r = run_one(
-            name,
-            bench_args(name, args.quick, help_text(name), args.out_dir),
-            args.out_dir / "logs" / f"{name}.log",
-        )
-        r["fragments"] = fragments(name, args.out_dir, r["started"])
-        results.append(r)
+        help_ = help_text(name)
+        for variant, extra in variants(name, args.quick).items():
+            r = run_one(
+                name,
+                bench_args(name, args.quick, help_, args.out_dir, variant, extra),
+                args.out_dir / "logs" / f"{name}{'-' + variant if variant else ''}.log",
+            )
+            r["fragments"] = fragments(name, args.out_dir, r["started"], variant)
+            results.append(r)
     summary = args.out_dir / "summary.md"
     atomic_write_text(summary, render_summary(results, machine, args.quick, args.out_dir))
     print(f"wrote {summary}")

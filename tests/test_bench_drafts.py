@@ -332,3 +332,20 @@ def test_quick_run_with_vllm(tmp_path):
         data["target_vllm"]["s_per_token"]["n"] == 3
         and min(data["target_vllm"]["output_tokens_per_pass"]) > 0
     )
+
+
+def test_run_all_full_runs_give_each_variant_its_own_out_file(tmp_path):
+    assert run_all.variants("bench_train", quick=True) == {"": []}
+    runs = run_all.variants("bench_train", quick=False)
+    assert set(runs) == {"speed", "acceptance"} and "smollm2-135m-instruct" in runs["speed"]
+    args = run_all.bench_args("bench_train", False, "--out OUT", tmp_path, "speed", runs["speed"])
+    assert args[: len(runs["speed"])] == runs["speed"] and args[-2:] == [
+        "--out",
+        str(tmp_path / "train-speed.json"),
+    ]
+    (tmp_path / "train-speed.md").write_text("x")
+    (tmp_path / "eval-t0.md").write_text("x")
+    assert [f["path"].name for f in run_all.fragments("bench_train", tmp_path, 0, "speed")] == [
+        "train-speed.md"
+    ]
+    assert [f["path"].name for f in run_all.fragments("bench_eval", tmp_path, 0)] == ["eval-t0.md"]

@@ -1,0 +1,170 @@
+"""Benchmark: the training-recipe study on the embedded default — which draft and training settings raise
+acceptance per second of CPU training, measured on held-out data with the target's own greedy continuations.
+
+    python -m bench.bench_recipes                         # every recipe (hours on 2 cores)
+    python -m bench.bench_recipes --recipes ar2-lr1e-3,ar6-lr1e-3
+    python -m bench.bench_recipes --list
+
+All recipes share one data run (the config's data section with --train-prompts prompts, top-32 log-probs cached
+from vLLM's generation), created under `bench/out/work/recipes/data` when missing, and train with
+`distill train` for the same number of steps on the cached teacher. Each recipe's figures come from its run's
+`train/val_history.json` (the last validation): top-1 agreement with the target and the greedy mean acceptance
+length E[k] the draft would reach per k, plus the wall time of the stage. Written to `bench/out/recipes.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import OUT_DIR, REPO, command_line, fmt, machine_info, markdown_table, write_fragment
+
+SHARED = ["target.dtype=bfloat16", "train.teacher=cached", "train.batch_size=16", "train.val_every=100"]
+RECIPES: dict[str, list[str]] = {
+    "ar2-fp32-lr5e-4": ["draft.num_layers=2", "train.precision=32", "train.lr=5e-4"],
+    "ar2-lr1e-3": ["draft.num_layers=2", "train.precision=bf16-mixed", "train.lr=1e-3"],
+    "ar2-lr1e-3-frozen-embeddings": [
+        "draft.num_layers=2",
+        "train.precision=bf16-mixed",
+        "train.lr=1e-3",
+        "train.freeze_embeddings=true",
+    ],
+    "ar6-lr1e-3": ["draft.num_layers=6", "train.precision=bf16-mixed", "train.lr=1e-3"],
+    "pard4-ar2-mask0.25": [
+        "draft.num_layers=2",
+        "draft.parallel_tokens=4",
+        "train.parallel_mask_fraction=0.25",
+        "train.precision=bf16-mixed",
+        "train.lr=1e-3",
+    ],
+}
+
+
+def distill_cmd(stage: str, config: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "distill", stage, "-c", config, *overrides]
+
+
+def ensure_data(config: str, data_dir: Path, train_prompts: int) -> None:
+    """One shared data run with cached top-32 log-probs (skipped when complete: `distill data` resumes)."""
+    overrides = [
+        f"run.dir={data_dir}",
+        "target.dtype=bfloat16",
+        f"data.max_train_prompts={train_prompts}",
+        "data.max_val_prompts=200",
+        "data.logits.top_k=32",
+        "data.logits.source=vllm",
+        "data.logits.codec=zlib",
+    ]
+    subprocess.run(distill_cmd("data", config, overrides), cwd=REPO, check=True)
+
+
+def last_validation(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "train" / "val_history.json"
+    if not path.is_file():
+        return None
+    history = json.loads(path.read_text())
+    return history[-1] if history else None
+
+
+def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -> dict[str, Any]:
+    run_dir = work / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    link = run_dir / "data"
+    if not link.exists():
+        link.symlink_to(data_dir / "data", target_is_directory=True)
+    overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", *SHARED, *RECIPES[name]]
+    t0 = time.perf_counter()
+    with open(work / f"{name}.log", "w") as log:
+        rc = subprocess.run(
+            distill_cmd("train", config, overrides), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        ).returncode
+    wall = time.perf_counter() - t0
+    val = last_validation(run_dir)
+    return {
+        "recipe": name,
+        "overrides": RECIPES[name],
+        "exit": rc,
+        "wall_s": round(wall, 1),
+        "step": val and val.get("step"),
+        "top1_agreement": val and val.get("top1_agreement"),
+        "accept_len": val and val.get("accept_len"),
+    }
+
+
+def markdown(rows: list[dict[str, Any]], steps: int) -> str:
+    ks = ["1", "2", "3", "4"]
+    header = [
+        "recipe",
+        "overrides",
+        "steps",
+        "top-1 agreement",
+        *[f"E[k={k}]" for k in ks],
+        "train wall (min)",
+    ]
+    body = []
+    for r in rows:
+        al = r["accept_len"] or {}
+        body.append(
+            [
+                r["recipe"],
+                " ".join(f"`{o}`" for o in r["overrides"]),
+                str(r["step"] or "—"),
+                fmt(r["top1_agreement"]),
+                *[fmt(al.get(k), 2) for k in ks],
+                fmt(r["wall_s"] / 60, 1),
+            ]
+        )
+    note = (
+        f"\n\nEvery recipe: {steps} steps of `distill train` with {' '.join(f'`{o}`' for o in SHARED)} on one "
+        "shared data run. E[k] = greedy mean acceptance length with k drafted tokens on the validation rows "
+        "(1 + expected accepted tokens per round)."
+    )
+    return "### Training recipes\n\n" + markdown_table(header, body) + note
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-c", "--config", default="configs/smollm2-sharegpt.yaml")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma list (default: all)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--train-prompts", type=int, default=6000)
+    p.add_argument("--list", action="store_true", help="print the recipes and exit")
+    p.add_argument("--quick", action="store_true", help="a self-check: one recipe, 64 prompts, 20 steps")
+    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    args = p.parse_args(argv)
+    if args.list:
+        for name, overrides in RECIPES.items():
+            print(name, *overrides)
+        return 0
+    if args.quick:
+        args.recipes, args.steps, args.train_prompts = "ar2-lr1e-3", 20, 64
+    names = [n for n in args.recipes.split(",") if n]
+    unknown = sorted(set(names) - set(RECIPES))
+    if unknown:
+        p.error(f"unknown recipe {unknown}; choose from {', '.join(RECIPES)}")
+    work = args.out_dir / "work" / ("recipes-quick" if args.quick else "recipes")
+    data_dir = work / "data"
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    ensure_data(args.config, data_dir, args.train_prompts)
+    rows = [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
+    write_fragment(
+        "recipes",
+        {"steps": args.steps, "train_prompts": args.train_prompts, "rows": rows},
+        markdown(rows, args.steps),
+        command=command_line("bench.bench_recipes", argv),
+        machine=machine_info(),
+        out_dir=args.out_dir,
+    )
+    print((args.out_dir / "recipes.md").read_text())
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
