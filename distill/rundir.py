@@ -129,8 +129,25 @@ def mark_complete(cfg: Config, stage: str, summary: dict[str, Any] | None = None
     )
 
 
+# What each stage leaves in the run folder: a stage whose outputs were deleted (or lost) since it completed is
+# not complete, whatever its record says.
+STAGE_OUTPUTS = {
+    "data": ("data/manifest.json",),
+    "train": ("draft/config.json", "draft/model.safetensors"),
+    "eval": ("eval/report.json",),
+    "publish": (),  # its release folder is named in the record's summary
+}
+
+
+def outputs_present(run_dir: Path, stage: str, rec: dict[str, Any]) -> bool:
+    if not all((Path(run_dir) / rel).is_file() for rel in STAGE_OUTPUTS[stage]):
+        return False
+    release = (rec.get("summary") or {}).get("path") if stage == "publish" else None
+    return release is None or Path(release).is_dir()
+
+
 def is_complete(cfg: Config, stage: str) -> bool:
-    """True when `stage` finished with exactly the current config."""
+    """True when `stage` finished with exactly the current config and its outputs are still there."""
     p = completion_path(cfg.run_dir, stage)
     if not p.is_file():
         return False
@@ -138,7 +155,11 @@ def is_complete(cfg: Config, stage: str) -> bool:
         rec = read_json(p)
     except (OSError, ValueError):
         return False
-    return isinstance(rec, dict) and rec.get("config_hash") == stage_hash(cfg, stage)
+    return (
+        isinstance(rec, dict)
+        and rec.get("config_hash") == stage_hash(cfg, stage)
+        and outputs_present(cfg.run_dir, stage, rec)
+    )
 
 
 def clear_complete(cfg: Config, stage: str) -> None:

@@ -16,6 +16,14 @@ from distill.errors import InputError, Interrupted, RuntimeFailure
 CONFIG = "configs/tiny.yaml"
 
 
+def complete(cfg: Config, stage: str, summary: dict | None = None) -> None:
+    """What a real stage leaves: its output files (placeholders here) and its completion record."""
+    for rel in rundir.STAGE_OUTPUTS[stage]:
+        (cfg.run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / rel).write_text("{}")
+    rundir.mark_complete(cfg, stage, summary)
+
+
 class FakeStages:
     """Stand-ins that behave like real stages: start_stage, do nothing heavy, mark_complete."""
 
@@ -33,7 +41,7 @@ class FakeStages:
                 return action
             rundir.start_stage(cfg, name)
             if action != "no-record":
-                rundir.mark_complete(cfg, name, {"fake": True})
+                complete(cfg, name, {"fake": True})
             return None
 
         return stage
@@ -173,7 +181,7 @@ def test_plan_reports_each_action(fake, overrides):
 def test_follower_rank_waits_for_data_then_trains_only(fake, overrides, monkeypatch):
     cfg = load_config(CONFIG, overrides)
     rundir.start_stage(cfg, "data")
-    rundir.mark_complete(cfg, "data")
+    complete(cfg, "data")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert pipeline.launcher_rank() == 1
     assert pipeline.run(cfg) == 0
@@ -216,7 +224,7 @@ def test_follower_rank_never_writes_the_status(fake, overrides, monkeypatch):
     monkeypatch.setattr(logging.getLogger("distill"), "level", logging.DEBUG)
     cfg = load_config(CONFIG, overrides)
     rundir.start_stage(cfg, "data")
-    rundir.mark_complete(cfg, "data")
+    complete(cfg, "data")
     fake.behaviour["train"] = (
         "no-record"  # like Lightning's extra ranks: the train stage records nothing there
     )
@@ -227,3 +235,10 @@ def test_follower_rank_never_writes_the_status(fake, overrides, monkeypatch):
     messages = [r.getMessage() for r in records]
     assert any("train: done" in m for m in messages)
     assert not any("recorded no completion" in m for m in messages)
+
+
+def test_stage_whose_outputs_were_deleted_runs_again(fake, overrides):
+    cfg = load_config(CONFIG, overrides)
+    assert pipeline.run(cfg) == 0
+    (cfg.run_dir / "draft" / "model.safetensors").unlink()
+    assert pipeline.plan(cfg) == [("data", "skip"), ("train", "redo"), ("eval", "redo"), ("publish", "redo")]
