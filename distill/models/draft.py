@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,21 @@ def parallel_tokens_of(config: Any) -> int:
     return int(getattr(config, "distill_parallel_tokens", 0) or 0)
 
 
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    before, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def build_initial_draft(cfg: Config, target_dir: Path) -> Any:
     """The undistilled starting draft (float32, train mode off) as `draft.init` says; a parallel draft carries
     its mask token in its config (`mark_parallel`)."""
@@ -190,14 +206,17 @@ def _build_draft_model(cfg: Config, target_dir: Path) -> Any:
     target_cfg = load_model_config(target_dir, trust_remote_code=tc)
     if d.init == "truncate":
         config = _truncated_config(target_cfg, d.num_layers)
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
-            str(target_dir),
-            config=config,
-            dtype=torch.float32,
-            trust_remote_code=tc,
-            use_safetensors=True,
-            output_loading_info=True,
-        )
+        # The target's deeper layers are left out on purpose: transformers' report listing them as
+        # "UNEXPECTED" is noise here (missing keys, the real fault, are checked below).
+        with _transformers_quiet():
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                str(target_dir),
+                config=config,
+                dtype=torch.float32,
+                trust_remote_code=tc,
+                use_safetensors=True,
+                output_loading_info=True,
+            )
         model, info = loaded
         if info.get("missing_keys"):
             raise RuntimeError(f"truncate init left weights uninitialised: {info['missing_keys'][:5]}")
