@@ -24,7 +24,9 @@ from typing import Any
 
 from bench.common import OUT_DIR, REPO, machine_info, machine_line, utc_now
 
-BENCHES = ("bench_data", "bench_train", "bench_drafts", "bench_recipes", "bench_eval")
+# bench_eval trains the embedded default's draft when it is missing, so it runs before bench_drafts, which
+# measures that distilled draft beside the undistilled candidates.
+BENCHES = ("bench_data", "bench_train", "bench_recipes", "bench_eval", "bench_drafts")
 # Quick arguments for benches that have no --quick flag (used only when their --help lacks one).
 QUICK_FALLBACK = {"bench_data": ["--skip-vllm", "--prompts", "16", "--max-new-tokens", "64"]}
 # Full runs that are not a bench's own defaults, each variant with its own log and `<stem>-<variant>` files:
@@ -36,6 +38,10 @@ FULL_RUNS: dict[str, dict[str, list[str]]] = {
                   "--seq-len", "384", "--batch-size", "16", "--precision", "bf16-mixed", "--steps", "10",
                   "--warmup", "2", "--threads", "2", "--n-train", "64", "--n-val", "16"],
         "acceptance": ["--only", "acceptance"],
+    },
+    "bench_drafts": {
+        "bf16": ["--layers", "1,2,4,6", "--dtype", "bfloat16", "--name", "drafts-bf16", "--repeats", "3",
+                 "--draft", "distilled=checkpoints/smollm2-sharegpt/draft"],
     },
 }  # fmt: skip
 _OUT_FLAG = re.compile(r"--out(?![\w-])")

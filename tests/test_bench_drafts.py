@@ -256,6 +256,7 @@ def test_run_all_continues_past_failures(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(run_all, "REPO", tmp_path)
     monkeypatch.setattr(run_all, "available", lambda: ["bench_data", "bench_drafts"])
+    monkeypatch.setattr(run_all, "FULL_RUNS", {})  # each fake bench runs once, with its own defaults
     out = tmp_path / "out"
     out.mkdir()
     assert run_all.main(["--out-dir", str(out)]) == 1
