@@ -4,6 +4,7 @@ the vLLM → reference fallback, and partial results after a worker timeout (exi
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -96,7 +97,7 @@ def run_dir(args):
 def fake_worker(monkeypatch):
     calls = []
 
-    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+    def run_worker(job, *, log_path, timeout_s, env=None, what="", poll=None):
         calls.append({"job": job, "env": env, "timeout_s": timeout_s})
         return {
             "engine": "vllm",
@@ -155,7 +156,7 @@ def test_bad_draft_is_flagged_do_not_deploy(cfg_args, fake_worker, tiny_target_d
 
 
 def test_timeout_keeps_partial_results_marked_incomplete(cfg_args, monkeypatch):
-    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+    def run_worker(job, *, log_path, timeout_s, env=None, what="", poll=None):
         Path(job["partial_path"]).write_text(
             json.dumps({"engine": "vllm", "results": fake_results(job, n=2), "complete": False})
         )
@@ -262,10 +263,36 @@ def test_busy_machine_warning():
     assert load_warnings({"cpu_count": 2}, [{"load_avg": [1.0, 1.5]}]) == []
     (msg,) = load_warnings({"cpu_count": 2}, [{"load_avg": [1.0]}, {"load_avg": [8.5]}])
     assert "8.5 on 2 cores" in msg
+    # The worker's own measure wins: vLLM's engine processes alone load an idle 2-core machine to ~3.
+    assert load_warnings({"cpu_count": 2}, [{"load_avg": [3.2], "foreign_cpu": [0.02, 0.05]}]) == []
+    (msg,) = load_warnings({"cpu_count": 2}, [{"load_avg": [3.2], "foreign_cpu": [0.02, 0.4]}])
+    assert "used up to 40% of the machine's CPU" in msg
+
+
+def test_foreign_cpu_share_counts_only_other_processes(tmp_path):
+    from distill.vllm_worker import speculate
+
+    assert speculate._proc_busy_ticks("cpu  100 5 50 1000 7 3 2 10 0 0\ncpu0 1 2 3") == 170
+    proc = tmp_path / "proc"
+    for pid, session, utime, stime in ((10, 42, 30, 5), (11, 42, 7, 1), (12, 99, 500, 500)):
+        (proc / str(pid)).mkdir(parents=True)
+        fields = ["S", "1", str(pid), str(session)] + ["0"] * 7 + [str(utime), str(stime)] + ["0"] * 10
+        (proc / str(pid) / "stat").write_text(f"{pid} (vllm (engine)) " + " ".join(fields))
+    (proc / "self").mkdir()
+    assert speculate._session_ticks(42, proc) == 43
+    ticks = os.sysconf("SC_CLK_TCK")
+    cores = os.cpu_count() or 1
+    # 10 s on all cores: the machine was busy 50% of it, this eval's session took 30% -> 20% foreign.
+    capacity = 10 * ticks * cores
+    before, after = (0, 0), (int(0.5 * capacity), int(0.3 * capacity))
+    assert speculate.foreign_cpu_share(before, after, 10.0) == pytest.approx(0.2, abs=0.002)
+    assert speculate.foreign_cpu_share(None, after, 10.0) is None
+    snap = speculate.cpu_snapshot()
+    assert snap is None or (snap[0] > 0 and snap[1] >= 0)
 
 
 def _worker_failing_after(n_done):
-    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+    def run_worker(job, *, log_path, timeout_s, env=None, what="", poll=None):
         Path(job["partial_path"]).write_text(
             json.dumps({"engine": "vllm", "results": fake_results(job, n=n_done), "complete": False})
         )
@@ -290,7 +317,7 @@ def test_incomplete_eval_never_says_deploy(cfg_args, monkeypatch):
 
 
 def test_greedy_mismatch_in_float32_is_a_report_warning(cfg_args, monkeypatch):
-    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+    def run_worker(job, *, log_path, timeout_s, env=None, what="", poll=None):
         results = fake_results(job)
         for r in results:
             if r["name"] == "good" and r["k"] == 2:

@@ -16,6 +16,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from distill.evaluate import hardware
@@ -87,6 +88,7 @@ def empty_result(cfg: dict[str, Any], error: str | None = None) -> dict[str, Any
         "startup_s": None,
         "wall_s": [],
         "load_avg": [],
+        "foreign_cpu": [],
         "output_tokens": 0,
         "output_tokens_per_pass": [],
         "num_drafts": 0,
@@ -133,9 +135,11 @@ def measure_temperature(
     for _ in range(int(job.get("repeats", 1))):
         before = extract_spec_counters(llm.get_metrics())
         res["load_avg"].append(_load_avg())
+        cpu0 = cpu_snapshot()
         t0 = clock()
         outs = _generate(llm, prompts, params)
         res["wall_s"].append(clock() - t0)
+        res["foreign_cpu"].append(foreign_cpu_share(cpu0, cpu_snapshot(), res["wall_s"][-1]))
         deltas.append(counters_delta(before, extract_spec_counters(llm.get_metrics()), k))
         res["output_tokens_per_pass"].append(sum(len(o.outputs[0].token_ids) for o in outs))
     res["output_tokens"] = res["output_tokens_per_pass"][0]
@@ -149,6 +153,56 @@ def measure_temperature(
         accepted_per_pos=total.accepted_per_pos,
     )
     return res
+
+
+def _proc_busy_ticks(stat: str) -> int | None:
+    """Busy clock ticks of the whole machine from /proc/stat's first line (everything but idle and iowait)."""
+    fields = stat.split("\n", 1)[0].split()
+    if not fields or fields[0] != "cpu" or len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
+    steal = int(fields[8]) if len(fields) > 8 else 0
+    return user + nice + system + irq + softirq + steal
+
+
+def _session_ticks(session: int, proc: Path | None = None) -> int:
+    """CPU ticks (utime + stime) used so far by the processes of one session: this worker and the engine
+    processes vLLM starts (the worker runs in its own session, see distill.utils.subproc)."""
+    total = 0
+    for d in (proc or Path("/proc")).iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            rest = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        # rest[0] is field 3 (state): session is field 6, utime and stime fields 14 and 15.
+        if int(rest[3]) == session:
+            total += int(rest[11]) + int(rest[12])
+    return total
+
+
+def cpu_snapshot() -> tuple[int, int] | None:
+    """(machine busy ticks, this session's ticks), or None where /proc is not there (not Linux)."""
+    try:
+        busy = _proc_busy_ticks(Path("/proc/stat").read_text())
+        own = _session_ticks(os.getsid(0))
+    except (OSError, ValueError):
+        return None
+    return None if busy is None else (busy, own)
+
+
+def foreign_cpu_share(
+    before: tuple[int, int] | None, after: tuple[int, int] | None, wall_s: float
+) -> float | None:
+    """Share of the machine's CPU time used by processes outside this eval during a timed pass (0 = the
+    machine was ours). The load average cannot tell this: vLLM's own engine processes already load 2 cores."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    capacity = wall_s * ticks_per_s * (os.cpu_count() or 1)
+    foreign = (after[0] - before[0]) - (after[1] - before[1])
+    return round(max(0.0, foreign / capacity), 3)
 
 
 def _load_avg() -> float | None:
