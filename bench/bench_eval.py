@@ -10,8 +10,8 @@ base (undistilled) vs distilled drafts vs vLLM's ngram baseline vs the target al
 Phases (the protocol of BENCHMARKS.md):
   t0  temperature 0 (vLLM's default greedy drafting): >= 100 held-out prompts, 128 new tokens, batch 1,
       3 timed repeats (medians), no_spec, ngram, base and distilled at k = 1, 2, 3.
-  t1  temperature 1: acceptance of base vs distilled under greedy and probabilistic drafting (32 prompts, one
-      timed pass: acceptance counts do not need repeats).
+  t1  temperature 1: acceptance of base vs distilled under greedy and probabilistic drafting, and ngram
+      (32 prompts, one timed pass: acceptance counts do not need repeats).
 The draft comes from the config's run folder; when `draft/` is missing the data and train stages run first
 (with the same config and overrides). Each phase's report (report.json, report.md, plots) is copied to
 `bench/out/eval-<phase>/` and its table to `bench/out/eval-<phase>.{json,md}`.
@@ -42,7 +42,7 @@ PHASES: dict[str, list[str]] = {
         "eval.num_prompts=32",
         "eval.repeats=1",
         "eval.k=[1,2]",
-        "eval.ngram=false",
+        "eval.ngram=true",
         "eval.draft_sample_methods=[greedy,probabilistic]",
     ],
 }
