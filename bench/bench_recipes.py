@@ -64,11 +64,13 @@ def ensure_data(config: str, data_dir: Path, train_prompts: int) -> None:
     subprocess.run(distill_cmd("data", config, overrides), cwd=REPO, check=True)
 
 
-def last_validation(run_dir: Path) -> dict[str, Any] | None:
+def validations(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "train" / "val_history.json"
-    if not path.is_file():
-        return None
-    history = json.loads(path.read_text())
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def last_validation(run_dir: Path) -> dict[str, Any] | None:
+    history = validations(run_dir)
     return history[-1] if history else None
 
 
@@ -94,6 +96,7 @@ def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -
         "step": val and val.get("step"),
         "top1_agreement": val and val.get("top1_agreement"),
         "accept_len": val and val.get("accept_len"),
+        "top1_by_step": {str(v["step"]): v.get("top1_agreement") for v in validations(run_dir)},
     }
 
 
@@ -103,7 +106,7 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
         "recipe",
         "overrides",
         "steps",
-        "top-1 agreement",
+        "top-1 agreement by step",
         *[f"E[k={k}]" for k in ks],
         "train wall (min)",
     ]
@@ -115,7 +118,7 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
                 r["recipe"],
                 " ".join(f"`{o}`" for o in r["overrides"]),
                 str(r["step"] or "—"),
-                fmt(r["top1_agreement"]),
+                " → ".join(f"{fmt(v)} @{k}" for k, v in (r.get("top1_by_step") or {}).items()) or "—",
                 *[fmt(al.get(k), 2) for k in ks],
                 fmt(r["wall_s"] / 60, 1),
             ]
