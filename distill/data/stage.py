@@ -46,6 +46,7 @@ from distill.data.prepare import (
 )
 from distill.errors import InputError, RuntimeFailure
 from distill.utils.fs import atomic_write_json, read_json, remove_stale_temporaries
+from distill.utils.progress import progress
 
 log = logging.getLogger("distill.data")
 
@@ -201,16 +202,6 @@ def write_job(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Progress (rich)
-
-
-def _progress() -> Any:
-    from distill.utils.progress import progress
-
-    return progress()
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Phase 1: generation
 
 
@@ -238,7 +229,7 @@ def generate_hf(ctx: Context, pending: list[tuple[str, int, list[Prompt]]]) -> N
     eos = eos_ids(ctx.tok, ctx.target_dir)
     n_prompts = sum(len(ps) for _, _, ps in pending)
     tokens, gen_total = 0, 0.0
-    with _progress() as bar:
+    with progress() as bar:
         task = bar.add_task("generate (hf)", total=n_prompts, rate="")
         for split, c, ps in pending:
             t0 = time.perf_counter()
@@ -310,7 +301,7 @@ def _watch_vllm(
 ) -> None:
     """Progress of the worker subprocess, read from the chunk files it writes (engine start-up shows as 0)."""
     total = sum(len(ps) for _, _, ps in pending)
-    with _progress() as bar:
+    with progress() as bar:
         task = bar.add_task("generate (vllm)", total=total, rate="starting engine")
         seen: set[tuple[str, int]] = set()
         tokens, gen_s = 0, 0.0
@@ -452,7 +443,7 @@ def assemble(ctx: Context, chunks: dict[str, list[list[Prompt]]]) -> None:
         return
     eos = eos_ids(ctx.tok, ctx.target_dir)
     what = "records + top-k cache" if ctx.d.logits.top_k else "records"
-    with _progress() as bar:
+    with progress() as bar:
         task = bar.add_task(what, total=sum(len(ps) for _, _, ps in todo), rate="")
         tokens, spent = 0, 0.0
         for split, c, ps in todo:

@@ -331,10 +331,10 @@ class PartialWatcher:
 def describe_row(row: dict[str, Any]) -> str:
     """`distilled k=2 T=0.0: 33.6 tok/s, acceptance 0.39` from a worker result row."""
     head = f"{row.get('name')}" + (f" k={row['k']}" if row.get("k") else "") + f" T={row.get('temperature')}"
-    walls = sorted(w for w in row.get("wall_s") or [] if w)
     parts = []
-    if walls and row.get("output_tokens"):
-        parts.append(f"{row['output_tokens'] / walls[len(walls) // 2]:.1f} tok/s")
+    rate = report.tokens_per_s(row)
+    if rate:
+        parts.append(f"{rate:.1f} tok/s")
     drafted, accepted = row.get("num_draft_tokens"), row.get("num_accepted_tokens")
     if drafted:
         parts.append(f"acceptance {accepted / drafted:.2f}")
