@@ -75,8 +75,9 @@ def result_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per measured configuration: the figures of BENCHMARKS.md with the spread of the timed repeats."""
     rows = []
     for r in report["results"]:
-        walls = [w for w in r.get("wall_s") or [] if w]
-        tps = [r["output_tokens"] / w for w in walls] if r.get("output_tokens") else []
+        walls = r.get("wall_s") or []
+        per_pass = r.get("output_tokens_per_pass") or [r.get("output_tokens") or 0] * len(walls)
+        tps = [n / w for n, w in zip(per_pass, walls, strict=False) if n and w]
         rows.append(
             {
                 "name": r["name"],
@@ -91,6 +92,7 @@ def result_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "speedup": r.get("speedup"),
                 "greedy_match": r.get("greedy_match"),
                 "load_avg": r.get("load_avg"),
+                "foreign_cpu": r.get("foreign_cpu"),
                 "error": r.get("error"),
             }
         )

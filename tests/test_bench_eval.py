@@ -42,3 +42,11 @@ def test_saved_phase_has_medians_spread_command_and_report(tmp_path: Path):
     md = (out / "eval-t0.md").read_text()
     assert "| distilled | 2 | 0.0 | greedy | 0.500 | 2.00 | 40.0 | 32.0–50.0 (n=3) | 1.25 |" in md
     assert (out / "eval-t0" / "report.md").is_file() and not (out / "eval-t0" / "worker.log").exists()
+
+
+def test_spread_counts_each_pass_own_tokens():
+    # At T=1 every pass samples a different output: a pass's rate is its own token count over its wall time.
+    row = {"name": "distilled", "k": 1, "temperature": 1.0, "wall_s": [10.0, 10.0, 10.0],
+           "output_tokens": 400, "output_tokens_per_pass": [400, 300, 500]}  # fmt: skip
+    (r,) = bench_eval.result_rows({"results": [row]})
+    assert r["tokens_per_s_spread"]["min"] == 30.0 and r["tokens_per_s_spread"]["max"] == 50.0

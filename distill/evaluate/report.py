@@ -69,7 +69,9 @@ def result_row(res: dict[str, Any], base: dict[str, Any] | None, *, dtype: str) 
             "startup_s",
             "wall_s",
             "load_avg",
+            "foreign_cpu",
             "output_tokens",
+            "output_tokens_per_pass",
             "error",
         )
     }
