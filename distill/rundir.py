@@ -15,7 +15,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from distill.config import Config, config_hash, output_view, to_dict, to_yaml
 from distill.utils.fs import atomic_write_json, atomic_write_text, read_json
@@ -168,14 +168,25 @@ def clear_complete(cfg: Config, stage: str) -> None:
         p.unlink()
 
 
+_RUN_LOG_MARK = "_distill_run_log"
+
+
 def attach_log_file(run_dir: Path) -> Path:
-    """One debug-level log file per run folder (appended across stages and reruns)."""
+    """One debug-level log file per run folder (appended across stages and reruns).
+
+    A process holds one run log at a time: attaching another run folder's log closes the previous one, so a
+    process that runs stages of several runs (tests, a notebook, a scheduler) never writes one run's records
+    into another run's log."""
     path = Path(run_dir) / "distill.log"
     root = logging.getLogger("distill")
-    for h in root.handlers:
-        if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve():
-            return path
+    for h in list(root.handlers):
+        if getattr(h, _RUN_LOG_MARK, False):
+            if Path(cast(logging.FileHandler, h).baseFilename) == path.resolve():
+                return path
+            root.removeHandler(h)
+            h.close()
     handler = logging.FileHandler(path, encoding="utf-8")
+    setattr(handler, _RUN_LOG_MARK, True)
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s")

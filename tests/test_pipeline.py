@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -242,3 +243,25 @@ def test_stage_whose_outputs_were_deleted_runs_again(fake, overrides):
     assert pipeline.run(cfg) == 0
     (cfg.run_dir / "draft" / "model.safetensors").unlink()
     assert pipeline.plan(cfg) == [("data", "skip"), ("train", "redo"), ("eval", "redo"), ("publish", "redo")]
+
+
+def test_one_run_log_per_process_at_a_time(tmp_path):
+    # A process that runs stages of two runs one after the other writes each run's records to its own log only.
+    logger = logging.getLogger("distill.test_run_log")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    try:
+        rundir.attach_log_file(tmp_path / "a")
+        logger.info("record of run a")
+        rundir.attach_log_file(tmp_path / "b")
+        rundir.attach_log_file(tmp_path / "b")  # attaching the same run again adds nothing
+        logger.info("record of run b")
+        marked = [h for h in logging.getLogger("distill").handlers if getattr(h, "_distill_run_log", False)]
+        assert len(marked) == 1
+        a, b = (tmp_path / "a" / "distill.log").read_text(), (tmp_path / "b" / "distill.log").read_text()
+        assert "record of run a" in a and "record of run b" not in a
+        assert b.count("record of run b") == 1 and "record of run a" not in b
+    finally:
+        for h in [h for h in logging.getLogger("distill").handlers if getattr(h, "_distill_run_log", False)]:
+            logging.getLogger("distill").removeHandler(h)
+            h.close()
