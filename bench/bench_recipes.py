@@ -35,6 +35,20 @@ RECIPES: dict[str, list[str]] = {
         "train.lr=1e-3",
         "train.freeze_embeddings=true",
     ],
+    # The loss study: the shipped recipe with each other loss. Greedy drafting accepts only argmax matches,
+    # so the mode-seeking and argmax-targeted losses (rkl, ce on the target's T=0 tokens) are the candidates.
+    "ar2-lr1e-3-ce": ["draft.num_layers=2", "train.precision=bf16-mixed", "train.lr=1e-3", "train.loss=ce"],
+    "ar2-lr1e-3-fkl+ce": [
+        "draft.num_layers=2",
+        "train.precision=bf16-mixed",
+        "train.lr=1e-3",
+        "train.loss=mix",
+        "train.loss_weights.fkl=1.0",
+        "train.loss_weights.ce=1.0",
+    ],
+    "ar2-lr1e-3-rkl": ["draft.num_layers=2", "train.precision=bf16-mixed", "train.lr=1e-3", "train.loss=rkl"],
+    "ar2-lr1e-3-tvd": ["draft.num_layers=2", "train.precision=bf16-mixed", "train.lr=1e-3", "train.loss=tvd"],
+    "ar1-lr1e-3": ["draft.num_layers=1", "train.precision=bf16-mixed", "train.lr=1e-3"],
     "ar6-lr1e-3": ["draft.num_layers=6", "train.precision=bf16-mixed", "train.lr=1e-3"],
     "pard4-ar2-mask0.25": [
         "draft.num_layers=2",
@@ -97,7 +111,25 @@ def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -
         "top1_agreement": val and val.get("top1_agreement"),
         "accept_len": val and val.get("accept_len"),
         "top1_by_step": {str(v["step"]): v.get("top1_agreement") for v in validations(run_dir)},
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def merge_with_saved(
+    saved_path: Path, rows: list[dict[str, Any]], steps: int, train_prompts: int
+) -> list[dict[str, Any]]:
+    """This invocation's rows plus the saved rows of recipes it did not run, when the saved table is the same
+    study (same steps, same data size): recipes run one invocation at a time still make one table, and a
+    rerun recipe replaces its row. Ordered as in RECIPES."""
+    if not saved_path.is_file():
+        return rows
+    saved = json.loads(saved_path.read_text())
+    if saved.get("steps") != steps or saved.get("train_prompts") != train_prompts:
+        return rows
+    fresh = {r["recipe"] for r in rows}
+    merged = [r for r in saved.get("rows", []) if r.get("recipe") not in fresh] + rows
+    order = {name: i for i, name in enumerate(RECIPES)}
+    return sorted(merged, key=lambda r: order.get(r["recipe"], len(order)))
 
 
 def markdown(rows: list[dict[str, Any]], steps: int) -> str:
@@ -109,6 +141,7 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
         "top-1 agreement by step",
         *[f"E[k={k}]" for k in ks],
         "train wall (min)",
+        "finished (UTC)",
     ]
     body = []
     for r in rows:
@@ -121,11 +154,12 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
                 " → ".join(f"{fmt(v)} @{k}" for k, v in (r.get("top1_by_step") or {}).items()) or "—",
                 *[fmt(al.get(k), 2) for k in ks],
                 fmt(r["wall_s"] / 60, 1),
+                (r.get("finished_utc") or "—").replace("T", " ")[:16],
             ]
         )
     note = (
         f"\n\nEvery recipe: {steps} steps of `distill train` with {' '.join(f'`{o}`' for o in SHARED)} on one "
-        "shared data run. E[k] = greedy mean acceptance length with k drafted tokens on the validation rows "
+        "shared data run (recipes may come from several invocations: see each row's finish time). E[k] = greedy mean acceptance length with k drafted tokens on the validation rows "
         "(1 + expected accepted tokens per round)."
     )
     return "### Training recipes\n\n" + markdown_table(header, body) + note
@@ -157,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     ensure_data(args.config, data_dir, args.train_prompts)
     rows = [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
+    rows = merge_with_saved(args.out_dir / "recipes.json", rows, args.steps, args.train_prompts)
     write_fragment(
         "recipes",
         {"steps": args.steps, "train_prompts": args.train_prompts, "rows": rows},

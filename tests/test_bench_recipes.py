@@ -26,4 +26,26 @@ def test_table_from_validation_history(tmp_path: Path):
     row = {"recipe": "ar2", "overrides": ["draft.num_layers=2"], "step": 300, "wall_s": 120.0,
            "top1_by_step": {"100": 0.25, "300": 0.35}, "accept_len": hist[-1]["accept_len"]}  # fmt: skip
     md = bench_recipes.markdown([row], 300)
-    assert "| ar2 | `draft.num_layers=2` | 300 | 0.250 @100 → 0.350 @300 | 1.36 | 1.50 | — | — | 2.0 |" in md
+    assert (
+        "| ar2 | `draft.num_layers=2` | 300 | 0.250 @100 → 0.350 @300 | 1.36 | 1.50 | — | — | 2.0 | — |" in md
+    )
+
+
+def test_recipes_run_one_at_a_time_make_one_table(tmp_path: Path):
+    saved = tmp_path / "recipes.json"
+    old = [{"recipe": "ar2-lr1e-3", "top1_agreement": 0.30}, {"recipe": "ar6-lr1e-3", "top1_agreement": 0.40}]
+    saved.write_text(json.dumps({"steps": 300, "train_prompts": 6000, "rows": old}))
+    fresh = [
+        {"recipe": "ar2-lr1e-3", "top1_agreement": 0.35},
+        {"recipe": "ar1-lr1e-3", "top1_agreement": 0.3},
+    ]
+    merged = bench_recipes.merge_with_saved(saved, fresh, 300, 6000)
+    # A rerun recipe replaces its saved row; the others are kept; the order is the RECIPES order.
+    assert [(r["recipe"], r["top1_agreement"]) for r in merged] == [
+        ("ar2-lr1e-3", 0.35),
+        ("ar1-lr1e-3", 0.3),
+        ("ar6-lr1e-3", 0.40),
+    ]
+    # Another study (other steps or data size) is not mixed in.
+    assert bench_recipes.merge_with_saved(saved, fresh, 600, 6000) == fresh
+    assert bench_recipes.merge_with_saved(tmp_path / "none.json", fresh, 300, 6000) == fresh
