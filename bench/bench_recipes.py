@@ -36,7 +36,7 @@ RECIPES: dict[str, list[str]] = {
         "train.freeze_embeddings=true",
     ],
     # The loss study: the shipped recipe with each other loss. Greedy drafting accepts only argmax matches,
-    # so the mode-seeking and argmax-targeted losses (rkl, ce on the target's T=0 tokens) are the candidates.
+    # which argmax-targeted (ce on the target's T=0 tokens) and mode-seeking (rkl, tvd) losses might favour.
     "ar2-lr1e-3-ce": ["draft.num_layers=2", "train.precision=bf16-mixed", "train.lr=1e-3", "train.loss=ce"],
     "ar2-lr1e-3-fkl+ce": [
         "draft.num_layers=2",
@@ -159,7 +159,8 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
         )
     note = (
         f"\n\nEvery recipe: {steps} steps of `distill train` with {' '.join(f'`{o}`' for o in SHARED)} on one "
-        "shared data run (recipes may come from several invocations: see each row's finish time). E[k] = greedy mean acceptance length with k drafted tokens on the validation rows "
+        "shared data run (recipes may come from several invocations: see each row's finish time). "
+        "E[k] = greedy mean acceptance length with k drafted tokens on the validation rows "
         "(1 + expected accepted tokens per round)."
     )
     return "### Training recipes\n\n" + markdown_table(header, body) + note
