@@ -26,7 +26,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import OUT_DIR, command_line, fmt, machine_info, markdown_table, spread, write_fragment
+from bench.common import (
+    OUT_DIR,
+    REPO,
+    command_line,
+    fmt,
+    machine_info,
+    markdown_table,
+    spread,
+    write_fragment,
+)
 
 COMMON = ["eval.max_tokens=128", "eval.max_num_seqs=1"]
 PHASES: dict[str, list[str]] = {
@@ -121,6 +130,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(header, body)
 
 
+def display_path(path: Path) -> str:
+    """Relative to the repository when inside it (as BENCHMARKS.md cites it), else absolute."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def save_phase(phase: str, run_dir: Path, argv: list[str], rc: int, wall_s: float, out_dir: Path) -> None:
     import json
 
@@ -136,7 +151,9 @@ def save_phase(phase: str, run_dir: Path, argv: list[str], rc: int, wall_s: floa
         f"{report['prompts']['source']}, {report['max_tokens']} new tokens, batch 1, dtype {report['dtype']}\n\n"
     )
     rec = report.get("recommendation") or {}
-    tail = f"\n\nRecommendation: {rec.get('reason', '—')}\n\nFull report: `bench/out/eval-{phase}/report.md`."
+    tail = (
+        f"\n\nRecommendation: {rec.get('reason', '—')}\n\nFull report: `{display_path(dest / 'report.md')}`."
+    )
     payload = {"phase": phase, "exit": rc, "wall_s": round(wall_s, 1), "complete": report["complete"],
                "rows": rows, "recommendation": rec, "warnings": report.get("warnings", [])}  # fmt: skip
     write_fragment(

@@ -42,6 +42,7 @@ def test_saved_phase_has_medians_spread_command_and_report(tmp_path: Path):
     md = (out / "eval-t0.md").read_text()
     assert "| distilled | 2 | 0.0 | greedy | 0.500 | 2.00 | 40.0 | 32.0–50.0 (n=3) | 1.25 |" in md
     assert (out / "eval-t0" / "report.md").is_file() and not (out / "eval-t0" / "worker.log").exists()
+    assert f"Full report: `{out.resolve() / 'eval-t0' / 'report.md'}`" in md  # where --out-dir put it
 
 
 def test_spread_counts_each_pass_own_tokens():
