@@ -335,3 +335,23 @@ def test_build_configs_parallel_draft():
     ]
     assert "parallel_drafting" not in cfgs[0]  # no_spec
     assert jobs.parallel_ks([4, 6], 3) == [3] and jobs.parallel_ks([1, 5], 0) == [1, 5]
+
+
+def test_build_configs_per_draft_k():
+    """A draft's own k list replaces eval.k for it (a parallel draft at k=4 beside an autoregressive one at
+    k=1); a draft without one sweeps eval.k."""
+    cfgs = jobs.build_configs(
+        drafts=[("p", "/p"), ("a", "/a"), ("b", "/b")],
+        ks=[1, 2],
+        draft_ks={"p": [4], "a": [1]},
+        temperatures=[0.0],
+        draft_sample_methods=["greedy"],
+        ngram_k=None,
+        parallel={"p": 4},
+    )
+    assert [(c["name"], c["k"], c["parallel_drafting"]) for c in cfgs if c["method"]] == [
+        ("p", 4, True),
+        ("a", 1, False),
+        ("b", 1, False),
+        ("b", 2, False),
+    ]

@@ -142,6 +142,26 @@ def test_eval_writes_contract_report(cfg_args, fake_worker):
     assert f"- hardware: {hw['summary']}" in (out / "report.md").read_text()
 
 
+def test_a_draft_sweeps_its_own_k(cfg_args, fake_worker, tiny_target_dir):
+    """eval.drafts[i].k replaces eval.k for that draft; the engine's max_model_len leaves room for it."""
+    args = [a for a in cfg_args if not a.startswith("eval.drafts=")] + [
+        f"eval.drafts=[{{name: good, model: {tiny_target_dir}, k: [5]}}, {{name: other, model: {tiny_target_dir}}}]",
+        "eval.ngram=false",
+    ]
+    assert main(["eval", *args]) == 0
+    job = fake_worker[0]["job"]
+    swept = [(c["name"], c["k"]) for c in job["configs"] if c["method"] == "draft_model"]
+    assert swept == [("good", 5), ("other", 1), ("other", 2)]
+    assert job["max_model_len"] >= max(map(len, job["prompts"])) + job["max_tokens"] + 5
+
+
+def test_bad_per_draft_k_is_an_input_error(cfg_args, capsys, tiny_target_dir):
+    args = [a for a in cfg_args if not a.startswith("eval.drafts=")] + [
+        f"eval.drafts=[{{name: good, model: {tiny_target_dir}, k: [0]}}]"
+    ]
+    _assert_input_error(args, capsys, "eval.drafts[0].k")
+
+
 def test_bad_draft_is_flagged_do_not_deploy(cfg_args, fake_worker, tiny_target_dir, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_target_dir, bad)

@@ -14,6 +14,12 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 class DraftRef:
     name: str = opt("draft", "Label of this draft in the report.")
     model: str = opt("", "Model reference: folder, hub id or alias.")
+    k: list[int] = opt(
+        [],
+        "Speculative tokens per step to sweep for this draft; empty = eval.k (e.g. [4] for a parallel draft "
+        "measured beside an autoregressive one at [1]).",
+        each_ge=1,
+    )
 
 
 @dataclass
@@ -34,7 +40,7 @@ class EvalConfig:
     max_tokens: int = opt(128, "New tokens per prompt (stops early at EOS).", ge=1)
     drafts: list[DraftRef] = opt(
         [DraftRef("base", "${run.dir}/draft_init"), DraftRef("distilled", "${run.dir}/draft")],
-        "Drafts to compare, each {name, model}.",
+        "Drafts to compare, each {name, model, k}; k is optional (default: eval.k).",
     )
     k: list[int] = opt([1, 2, 3, 4, 5, 6], "Speculative tokens per step to sweep.", each_ge=1)
     temperatures: list[float] = opt([0.0], "Sampling temperatures to evaluate.", each_ge=0.0)

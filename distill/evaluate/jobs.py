@@ -50,6 +50,7 @@ def build_configs(
     *,
     drafts: list[tuple[str, str]],
     ks: list[int],
+    draft_ks: dict[str, list[int]] | None = None,
     temperatures: list[float],
     draft_sample_methods: list[str],
     ngram_k: int | None,
@@ -58,11 +59,13 @@ def build_configs(
     """Every configuration, grouped so configurations sharing an engine are adjacent.
 
     At temperature 0 only greedy drafting is measured (probabilistic drafting changes nothing there);
-    at temperature > 0 every method in `draft_sample_methods` is. `parallel` maps a draft name to the K it
+    at temperature > 0 every method in `draft_sample_methods` is. `draft_ks` maps a draft name to its own k
+    list (a draft not in it sweeps `ks`). `parallel` maps a draft name to the K it
     was trained to propose in one pass: such a draft runs with `parallel_drafting` at the k of `ks` that are
     <= K (at K when none is, see `parallel_ks`).
     """
     parallel = parallel or {}
+    draft_ks = draft_ks or {}
     temps = sorted(set(temperatures))
     out: list[dict[str, Any]] = []
 
@@ -88,7 +91,7 @@ def build_configs(
         add(NGRAM, "ngram", None, ngram_k, None, temps)
     hot = [t for t in temps if t > 0]
     for name, path in drafts:
-        for k in parallel_ks(ks, parallel.get(name, 0)):
+        for k in parallel_ks(draft_ks.get(name) or ks, parallel.get(name, 0)):
             for dsm in draft_sample_methods:
                 ts = ([t for t in temps if t == 0] if dsm == "greedy" else []) + hot
                 if dsm != "greedy" and not hot:

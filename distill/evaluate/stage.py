@@ -105,11 +105,16 @@ def resolve_drafts(cfg: Config, target_tok: Any) -> tuple[dict[str, Path], dict[
     return folders, configs
 
 
+def draft_ks(cfg: Config) -> dict[str, list[int]]:
+    """The k each draft sweeps: its own `eval.drafts[i].k`, else `eval.k`."""
+    return {d.name: list(d.k) or list(cfg.eval.k) for d in cfg.eval.drafts}
+
+
 def parallel_drafts(cfg: Config, configs: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
     """Which drafts are parallel (PARD) drafts, from their configs: name -> K, and notes for the report.
 
-    Such a draft is measured with vLLM's `parallel_drafting` at the k of `eval.k` that are <= K (the masks
-    past K were never trained); when none is, at K.
+    Such a draft is measured with vLLM's `parallel_drafting` at the k of its sweep (`draft_ks`) that are <= K
+    (the masks past K were never trained); when none is, at K.
     """
     from distill.models.draft import parallel_tokens_of
 
@@ -131,14 +136,15 @@ def parallel_drafts(cfg: Config, configs: dict[str, Any]) -> tuple[dict[str, int
                 )
             continue
         found[d.name] = big_k
-        ks = jobs.parallel_ks(list(cfg.eval.k), big_k)
-        if not any(k <= big_k for k in cfg.eval.k):
+        swept = draft_ks(cfg)[d.name]
+        ks = jobs.parallel_ks(swept, big_k)
+        if not any(k <= big_k for k in swept):
             notes.append(
-                f"draft '{d.name}' is a parallel draft trained for k <= {big_k}, but eval.k {list(cfg.eval.k)} "
+                f"draft '{d.name}' is a parallel draft trained for k <= {big_k}, but its k sweep {swept} "
                 f"has no such k: measured at k={big_k} instead."
             )
         else:
-            skipped = [k for k in cfg.eval.k if k > big_k]
+            skipped = [k for k in swept if k > big_k]
             if skipped:
                 notes.append(
                     f"draft '{d.name}' is a parallel draft trained for k <= {big_k}: measured at k={ks}, "
@@ -223,7 +229,8 @@ def preflight(cfg: Config) -> Plan:
             f"eval.prompts: all {len(records)} prompts are longer than data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens}; raise it or use shorter prompts."
         )
-    max_k = max([*cfg.eval.k, cfg.eval.ngram_k, *parallel.values()])
+    swept = [k for ks in draft_ks(cfg).values() for k in ks]
+    max_k = max([*cfg.eval.k, *swept, cfg.eval.ngram_k, *parallel.values()])
     max_model_len = max(map(len, prompts)) + cfg.eval.max_tokens + max_k + 8
     limit = int(getattr(target_config, "max_position_embeddings", 0) or 0)
     if limit and max_model_len > limit:
@@ -281,6 +288,7 @@ def build_job(cfg: Config, plan: Plan, partial_path: Path | None) -> dict[str, A
         "configs": jobs.build_configs(
             drafts=[(n, str(p)) for n, p in plan.drafts.items()],
             ks=list(e.k),
+            draft_ks=draft_ks(cfg),
             temperatures=list(e.temperatures),
             draft_sample_methods=list(e.draft_sample_methods),
             ngram_k=ngram_k,
