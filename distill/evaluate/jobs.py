@@ -60,9 +60,9 @@ def build_configs(
 
     At temperature 0 only greedy drafting is measured (probabilistic drafting changes nothing there);
     at temperature > 0 every method in `draft_sample_methods` is. `draft_ks` maps a draft name to its own k
-    list (a draft not in it sweeps `ks`). `parallel` maps a draft name to the K it
-    was trained to propose in one pass: such a draft runs with `parallel_drafting` at the k of `ks` that are
-    <= K (at K when none is, see `parallel_ks`).
+    list (a draft not in it sweeps `ks`). `parallel` maps a draft name to the K it was trained to propose in
+    one pass: such a draft runs with `parallel_drafting` at the k of its sweep that are <= K (at K when none
+    is, see `parallel_ks`).
     """
     parallel = parallel or {}
     draft_ks = draft_ks or {}

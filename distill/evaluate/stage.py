@@ -119,6 +119,7 @@ def parallel_drafts(cfg: Config, configs: dict[str, Any]) -> tuple[dict[str, int
     from distill.models.draft import parallel_tokens_of
 
     found, notes = {}, []
+    sweeps = draft_ks(cfg)
     for i, d in enumerate(cfg.eval.drafts):
         config = configs[d.name]
         mask = getattr(config, "pard_token", None)
@@ -136,7 +137,7 @@ def parallel_drafts(cfg: Config, configs: dict[str, Any]) -> tuple[dict[str, int
                 )
             continue
         found[d.name] = big_k
-        swept = draft_ks(cfg)[d.name]
+        swept = sweeps[d.name]
         ks = jobs.parallel_ks(swept, big_k)
         if not any(k <= big_k for k in swept):
             notes.append(
