@@ -355,3 +355,17 @@ def test_build_configs_per_draft_k():
         ("b", 1, False),
         ("b", 2, False),
     ]
+
+
+def test_markdown_lists_the_draft_sampling_measured():
+    """A T=0-only run drafts greedily whatever eval.draft_sample_methods says; the header says what ran."""
+    rows = report.build_rows(
+        [base(), res("d", walls=(1.0,), drafts=10, draft_tokens=20, accepted=10)], dtype="float32"
+    )
+    rep = _md_report(rows)
+    rep["settings"]["draft_sample_methods"] = ["greedy", "probabilistic"]
+    assert "- draft sampling: greedy; rejection sampling" in report.markdown(rep)
+    rows[1]["draft_sample_method"] = "probabilistic"
+    assert "- draft sampling: probabilistic; rejection sampling" in report.markdown(rep)
+    rep["results"] = rows[:1]  # no draft measured: the setting
+    assert "- draft sampling: greedy, probabilistic; rejection sampling" in report.markdown(rep)

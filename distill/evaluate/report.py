@@ -344,7 +344,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- prompts: {report['prompts']['count']} from `{report['prompts']['source']}`, max_tokens "
         f"{report.get('max_tokens')} (stop at EOS), batch (max_num_seqs) {report['settings'].get('max_num_seqs')}, "
         f"{report['settings'].get('repeats')} timed repeats after a warm-up (median)",
-        f"- draft sampling: {', '.join(report['settings'].get('draft_sample_methods', []))}; rejection sampling: "
+        f"- draft sampling: {_measured_sample_methods(report)}; rejection sampling: "
         f"{report['settings'].get('rejection_sample_method')}",
         f"- vLLM CPU settings: {report['settings'].get('vllm_env')}"
         if report.get("engine") == "vllm" and report.get("device") == "cpu"
@@ -371,6 +371,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"| {k} | {v:.3f} |" for k, v in mem.get("gib", {}).items()]
         lines += ["", str(mem.get("note", "")), ""]
     return "\n".join(lines) + "\n"
+
+
+def _measured_sample_methods(report: dict[str, Any]) -> str:
+    """The draft sampling methods the results used (temperature 0 always drafts greedily, so a T=0-only run
+    lists greedy even when eval.draft_sample_methods names more); the setting when no draft row ran."""
+    used = {r["draft_sample_method"] for r in report.get("results", []) if r.get("draft_sample_method")}
+    configured = list(report["settings"].get("draft_sample_methods", []))
+    ordered = [m for m in configured if m in used] + sorted(used - set(configured))
+    return ", ".join(ordered or configured) or "–"
 
 
 def hardware_summary(report: dict[str, Any]) -> str:
