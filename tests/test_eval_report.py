@@ -327,7 +327,7 @@ def test_build_configs_parallel_draft():
         parallel={"p": 2},
     )
     assert [(c["name"], c["k"], c["parallel_drafting"]) for c in cfgs if c["method"]] == [
-        ("p", 1, True),
+        ("p", 1, False),  # one token, no masks: ordinary drafting
         ("p", 2, True),
         ("a", 1, False),
         ("a", 2, False),

@@ -13,6 +13,7 @@ import pytest
 
 from distill.cli import main
 from distill.errors import RuntimeFailure
+from distill.evaluate import report
 
 CONTRACT_TOP = {
     "engine",
@@ -424,7 +425,7 @@ def test_parallel_draft_sweeps_k_up_to_its_trained_k(cfg_args, fake_worker, tiny
     assert main(["eval", *args, "eval.k=[1,2,4]", "eval.ngram=false"]) == 0
     job = fake_worker[0]["job"]
     par = [c for c in job["configs"] if c["name"] == "good"]
-    assert sorted(c["k"] for c in par) == [1, 2] and all(c["parallel_drafting"] is True for c in par)
+    assert [(c["k"], c["parallel_drafting"]) for c in par] == [(1, False), (2, True)]  # k=1: no masks
     ar = [c for c in job["configs"] if c["name"] == "ar"]
     assert sorted(c["k"] for c in ar) == [1, 2, 4] and not any(c["parallel_drafting"] for c in ar)
     out = run_dir(args) / "eval"
@@ -436,17 +437,19 @@ def test_parallel_draft_sweeps_k_up_to_its_trained_k(cfg_args, fake_worker, tiny
         "'good' is a parallel draft trained for k <= 2" in n and "not at k=[4]" in n for n in rep["notes"]
     )
     rec = rep["recommendation"]
-    assert rec["name"] == "good" and rec["parallel_drafting"] is True
-    assert rec["speculative_config"] == {
+    assert rec["name"] == "good" and rec["parallel_drafting"] is (rec["k"] >= 2)
+    assert rec["speculative_config"] == report.speculative_config(rows[("good", rec["k"])])
+    assert report.speculative_config(rows[("good", 2)]) == {
         "method": "draft_model",
-        "num_speculative_tokens": rec["k"],
+        "num_speculative_tokens": 2,
         "model": str(pard),
         "draft_sample_method": "greedy",
         "parallel_drafting": True,
     }
+    assert "parallel_drafting" not in report.speculative_config(rows[("good", 1)])
     md = (out / "report.md").read_text()
-    assert "| good | 2 | parallel | greedy |" in md and "| ar | 4 | autoregressive | greedy |" in md
-    assert '"parallel_drafting": true' in md and "ONE forward pass" in md
+    assert "| good | 2 | parallel | greedy |" in md and "| good | 1 | autoregressive | greedy |" in md
+    assert "| ar | 4 | autoregressive | greedy |" in md and "ONE forward pass" in md
     # analytic speedup from the measured acceptance: one draft forward per round for the parallel draft
     c, acc = rows[("good", 2)]["cost_ratio"], rows[("good", 2)]["acceptance_rate"]
     assert rows[("good", 2)]["analytic_speedup"] == pytest.approx((1 + acc + acc**2) / (1 + c))

@@ -62,7 +62,7 @@ def build_configs(
     at temperature > 0 every method in `draft_sample_methods` is. `draft_ks` maps a draft name to its own k
     list (a draft not in it sweeps `ks`). `parallel` maps a draft name to the K it was trained to propose in
     one pass: such a draft runs with `parallel_drafting` at the k of its sweep that are <= K (at K when none
-    is, see `parallel_ks`).
+    is, see `parallel_ks`); at k = 1 it drafts as an ordinary draft (one token, no masks).
     """
     parallel = parallel or {}
     draft_ks = draft_ks or {}
@@ -72,7 +72,9 @@ def build_configs(
     def add(
         name: str, method: str | None, draft: str | None, k: int, dsm: str | None, ts: list[float]
     ) -> None:
-        extra = {"parallel_drafting": bool(parallel.get(name))} if method == "draft_model" else {}
+        # At k = 1 a parallel draft's proposal is its ordinary next-token proposal (no mask tokens), so it
+        # runs, and is labelled, as ordinary drafting.
+        extra = {"parallel_drafting": bool(parallel.get(name)) and k >= 2} if method == "draft_model" else {}
         out.extend(
             {
                 "name": name,

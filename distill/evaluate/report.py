@@ -153,7 +153,8 @@ def add_estimates(
 
 def _add_parallel_estimate(row: dict[str, Any], est: dict[str, Any], c: float | None) -> None:
     k, per_k = int(row["k"]), list(est["tokens_per_round"])
-    if not row.get("parallel_drafting") or k > len(per_k):
+    # k = 1 is one token from one forward either way (it runs without parallel_drafting, jobs.build_configs)
+    if (k > 1 and not row.get("parallel_drafting")) or k > len(per_k):
         return  # measured autoregressively, or past the k the estimate covers: no matching estimate
     tokens = float(per_k[k - 1])
     row["estimated_acceptance"] = (tokens - 1.0) / k
