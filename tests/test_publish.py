@@ -153,6 +153,8 @@ def test_release_loads_verifies_and_carries_the_card(run_dir, overrides, tmp_pat
     assert "Loss `fkl`, 60 optimizer steps" in readme and "val/expected_acceptance = 0.5500" in readme
     prov = json.loads((rel / "provenance.json").read_text())
     assert prov["release"]["version"] == "1" and prov["forced"] is False and prov["gate"]["passed"] is True
+    assert prov["gate"]["compared_settings"] >= 1 and prov["gate"]["first_token_compared_settings"] >= 1
+    assert prov["gate"]["first_token_acceptance"] > prov["gate"]["base_first_token_acceptance"]
     assert prov["source"]["draft_files"]["model.safetensors"]
     assert read_latest(rel.parent) == "1" and (rel.parent / "latest").resolve() == rel.resolve()
     assert json.loads((run_dir / "stages" / "publish.json").read_text())["summary"]["version"] == "1"
@@ -379,6 +381,25 @@ def test_gain_is_compared_at_matching_settings_only(tmp_path):
     ]
     assert gate.acceptance_gain(ours, base) == (0.3, 0.5, 1)  # k=4 and T=1 have no counterpart
     assert gate.acceptance_gain(ours, [])[2] == 0
+
+
+def test_gain_without_a_common_k_compares_the_first_drafted_token():
+    """A parallel draft swept at k=2,3 beside its base at k=1: no common k, so the first drafted token's
+    acceptance decides (k-independent), and a draft that does not beat its base is still refused."""
+    from distill.publish import gate
+
+    base = [_row("base", None, 1, 0.05)]
+    ours = [
+        _row("distilled", None, 2, 0.2) | {"per_position_acceptance": [0.33, 0.07]},
+        _row("distilled", None, 3, 0.14) | {"per_position_acceptance": [0.31, 0.07, 0.04]},
+    ]
+    assert gate.acceptance_gain(ours, base)[2] == 0
+    assert gate.first_position_gain(ours, base) == pytest.approx((0.32, 0.05, 1))
+    assert gate._gain_problem(ours, base) is None
+    worse = [_row("base", None, 1, 0.5)]
+    assert "first drafted token accepted 0.3200 vs base 0.5000" in gate._gain_problem(ours, worse)
+    hot = [_row("base", None, 1, 0.05) | {"temperature": 1.0}]
+    assert "not measured at any common (temperature, drafting) setting" in gate._gain_problem(ours, hot)
 
 
 def test_sums_format_round_trip():

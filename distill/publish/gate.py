@@ -1,7 +1,8 @@
 """The publish gate: a draft is released only when its measured eval says it is worth serving.
 
 Refused (exit 2 unless `publish.force`): no `eval/report.json`, a partial report (`"complete": false`), no
-acceptance gain over the base (undistilled) draft at matching (k, temperature), or a failed `greedy_match`
+acceptance gain over the base (undistilled) draft at matching (k, temperature) (when the two share no k, of
+the first drafted token at matching temperature), or a failed `greedy_match`
 at temperature 0 in float32 (speculation must not change the target's greedy output). A parallel (PARD) draft
 that eval measured only as an ordinary draft (an older report) gets a warning: its card serves it in parallel.
 """
@@ -71,6 +72,61 @@ def acceptance_gain(distilled: list[dict[str, Any]], base: list[dict[str, Any]])
     )
 
 
+def _first_position(row: dict[str, Any]) -> float | None:
+    """Acceptance of the first drafted token of a round; at k = 1 it is the acceptance rate."""
+    per_pos = row.get("per_position_acceptance")
+    if isinstance(per_pos, list) and per_pos and per_pos[0] is not None:
+        return float(per_pos[0])
+    return (
+        float(row["acceptance_rate"])
+        if row.get("k") == 1 and row.get("acceptance_rate") is not None
+        else None
+    )
+
+
+def first_position_gain(
+    distilled: list[dict[str, Any]], base: list[dict[str, Any]]
+) -> tuple[float, float, int]:
+    """Mean first-drafted-token acceptance of each draft over the (temperature, drafting) pairs both were
+    measured at, whatever their k: for drafts measured at different k (a parallel draft at k=4 beside its base
+    at k=1), where acceptance rates per drafted token are not comparable but the first token's are."""
+
+    def by_setting(rows: list[dict[str, Any]]) -> dict[tuple[float, str], list[float]]:
+        out: dict[tuple[float, str], list[float]] = {}
+        for r in rows:
+            first = _first_position(r)
+            if first is not None:
+                out.setdefault(_key(r)[1:], []).append(first)
+        return out
+
+    ours, theirs = by_setting(distilled), by_setting(base)
+    common = sorted(set(ours) & set(theirs))
+    if not common:
+        return float("nan"), float("nan"), 0
+    return _mean([_mean(ours[c]) for c in common]), _mean([_mean(theirs[c]) for c in common]), len(common)
+
+
+def _gain_problem(distilled: list[dict[str, Any]], base: list[dict[str, Any]]) -> str | None:
+    """Why the distilled draft shows no gain over the base draft, or None when it does."""
+    ours, theirs, n = acceptance_gain(distilled, base)
+    if n:
+        if ours > theirs:
+            return None
+        return (
+            f"no acceptance gain over the base draft: mean acceptance rate {ours:.4f} vs base {theirs:.4f} "
+            f"over {n} (k, temperature, drafting) settings"
+        )
+    ours, theirs, n = first_position_gain(distilled, base)
+    if n == 0:
+        return "the distilled and base drafts were not measured at any common (temperature, drafting) setting"
+    if ours > theirs:
+        return None
+    return (
+        f"no acceptance gain over the base draft: first drafted token accepted {ours:.4f} vs base {theirs:.4f} "
+        f"over {n} (temperature, drafting) settings (the drafts share no k)"
+    )
+
+
 def _greedy_failures(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     failures, unchecked = [], []
     for r in rows:
@@ -117,16 +173,9 @@ def check(run_dir: Path) -> GateResult:
             "shown: keep the `base` entry in eval.drafts"
         )
     else:
-        ours, theirs, n = acceptance_gain(result.distilled, result.base)
-        if n == 0:
-            result.problems.append(
-                "the distilled and base drafts were not measured at any common (k, temperature)"
-            )
-        elif not ours > theirs:
-            result.problems.append(
-                f"no acceptance gain over the base draft: mean acceptance rate {ours:.4f} vs base {theirs:.4f} "
-                f"over {n} (k, temperature, drafting) settings"
-            )
+        gain_problem = _gain_problem(result.distilled, result.base)
+        if gain_problem:
+            result.problems.append(gain_problem)
     failures, unchecked = _greedy_failures(result.distilled)
     if failures:
         result.problems.append(
@@ -174,6 +223,7 @@ def _staleness(run_dir: Path) -> list[str]:
 
 def summary(result: GateResult) -> dict[str, Any]:
     ours, theirs, n = acceptance_gain(result.distilled, result.base)
+    first, base_first, n_first = first_position_gain(result.distilled, result.base)
     return {
         "passed": result.passed,
         "problems": result.problems,
@@ -181,4 +231,7 @@ def summary(result: GateResult) -> dict[str, Any]:
         "mean_acceptance_rate": None if n == 0 else ours,
         "base_mean_acceptance_rate": None if n == 0 else theirs,
         "compared_settings": n,
+        "first_token_acceptance": None if n_first == 0 else first,
+        "base_first_token_acceptance": None if n_first == 0 else base_first,
+        "first_token_compared_settings": n_first,
     }
