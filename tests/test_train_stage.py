@@ -531,3 +531,25 @@ def test_freeze_embeddings_keeps_the_head_and_trains_the_rest(tiny_config_overri
         assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
     moved = [k for k in before if k != emb and not torch.equal(before[k], after[k])]
     assert any(".layers.0." in k for k in moved)
+
+
+def test_retain_freed_memory_is_applied_unless_switched_off(
+    tiny_config_overrides, data_template, monkeypatch, tmp_path
+):
+    """train.retain_freed_memory (default true) asks glibc to keep freed memory (distill.utils.malloc)."""
+    import distill.train.stage as stage
+    from distill.utils import malloc
+
+    calls: list[bool] = []
+    monkeypatch.setattr(malloc, "retain_freed_memory", lambda *a: calls.append(True) or True)
+    stage.run(make_cfg(tiny_config_overrides, data_template, "train.max_steps=2"))
+    assert calls == [True]
+    off = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        "train.max_steps=2",
+        f"run.dir={tmp_path / 'off'}",
+        "train.retain_freed_memory=false",
+    )
+    stage.run(off)
+    assert calls == [True] and (off.run_dir / "draft" / "model.safetensors").is_file()

@@ -448,6 +448,10 @@ def run(cfg: Config) -> int | None:
     from distill.models.draft import build_initial_draft, load_model_config, load_tokenizer
 
     plan = validate(cfg)
+    if cfg.train.retain_freed_memory:
+        from distill.utils.malloc import retain_freed_memory
+
+        retain_freed_memory()
     child = is_child_rank()
     if not child:
         rundir.start_stage(cfg, "train")

@@ -1,0 +1,299 @@
+"""Train-step time with and without `train.retain_freed_memory` (glibc keeps freed memory in the process),
+side by side, on a real data run: the autoregressive draft and the parallel (PARD) draft of the embedded default.
+
+    python -m bench.bench_malloc                                   # the demo's data run (make demo first)
+    python -m bench.bench_malloc --run-dir checkpoints/smollm2-sharegpt --steps 8 --warmup 2 --repeats 3
+    python -m bench.bench_malloc --quick                           # 2 timed steps, 1 repeat, AR only
+
+Each measurement is its own process (a fresh heap), running `distill train`'s Lightning step (same module,
+data module and precision as the config) on the run's cached data for --warmup untimed + --steps timed steps.
+Within a repeat every draft runs once with the setting on and once off, the order alternating from repeat to
+repeat so that a drifting machine does not favour one side. Reported per draft: the median step time over all
+timed steps of all repeats for each setting, their ratio per repeat (off / on; its median and min–max), the
+CPU time the kernel spent on the process (system) against user time, and peak RSS. Written to
+`bench/out/malloc.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    OUT_DIR,
+    REPO,
+    command_line,
+    fmt,
+    machine_info,
+    markdown_table,
+    median,
+    spread,
+    utc_now,
+    write_fragment,
+)
+
+# Draft variants: config overrides on top of --config.
+DRAFTS: dict[str, list[str]] = {
+    "autoregressive": ["draft.parallel_tokens=0"],
+    "parallel-k4": ["draft.parallel_tokens=4", "train.parallel_mask_fraction=0.25"],
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker side: one (draft, setting) in one process
+
+
+def worker(args: dict[str, Any]) -> dict[str, Any]:
+    if args["retain"]:
+        from distill.utils.malloc import retain_freed_memory
+
+        if not retain_freed_memory():
+            raise SystemExit("glibc refused the mallopt settings: nothing to compare on this machine")
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from distill.config import load_config
+    from distill.models.draft import build_initial_draft, load_model_config, load_tokenizer
+    from distill.models.resolve import resolve_model
+    from distill.train.stage import (
+        build_datamodule,
+        build_module,
+        load_teacher,
+        loss_spec,
+        parallel_of,
+        shared_vocab,
+    )
+
+    steps = args["warmup"] + args["steps"]
+    cfg = load_config(
+        args["config"],
+        [
+            f"run.dir={args['run_dir']}",
+            *args["overrides"],
+            f"train.max_steps={steps}",
+            f"train.warmup_steps={min(2, steps)}",
+            "train.retain_freed_memory=false",  # decided above, before anything was allocated
+        ],
+    )
+    torch.set_num_threads(args["threads"])
+    target_dir = resolve_model(cfg.target.model, key="target.model")
+    tok = load_tokenizer(target_dir)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    torch.manual_seed(cfg.run.seed)
+    draft = build_initial_draft(cfg, target_dir)
+    vocab = shared_vocab(
+        len(tok), int(draft.config.vocab_size), int(load_model_config(target_dir).vocab_size)
+    )
+    module = build_module(cfg, draft, load_teacher(cfg, target_dir), loss_spec(cfg), vocab)
+    dm = build_datamodule(cfg, pad_id, parallel_of(draft, cfg.train.parallel_mask_fraction))
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.cpu: list[tuple[float, float]] = []
+            self._t0 = 0.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if len(self.times) == args["warmup"]:
+                use = resource.getrusage(resource.RUSAGE_SELF)
+                self.cpu.append((use.ru_utime, use.ru_stime))
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            self.times.append(time.perf_counter() - self._t0)
+            if len(self.times) == steps:
+                use = resource.getrusage(resource.RUSAGE_SELF)
+                self.cpu.append((use.ru_utime, use.ru_stime))
+
+    timer = Timer()
+    trainer = L.Trainer(
+        max_steps=steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+        precision="32-true" if cfg.train.precision == "32" else cfg.train.precision,
+    )
+    trainer.fit(module, datamodule=dm)
+    (u0, s0), (u1, s1) = timer.cpu
+    return {
+        "step_s": timer.times[args["warmup"] :],
+        "user_s": u1 - u0,
+        "system_s": s1 - s0,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver side
+
+
+def run_worker(args: dict[str, Any], threads: int) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [sys.executable, "-m", "bench.bench_malloc", "--worker", json.dumps(args)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"worker {args['draft']} retain={args['retain']} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per draft: step-time medians per setting, the per-repeat ratio off / on, kernel share of CPU time."""
+    out: dict[str, Any] = {}
+    for draft in dict.fromkeys(r["draft"] for r in runs):
+        mine = [r for r in runs if r["draft"] == draft]
+        row: dict[str, Any] = {}
+        for label, retain in (("on", True), ("off", False)):
+            side = [r for r in mine if r["retain"] is retain]
+            steps = [s for r in side for s in r["step_s"]]
+            row[label] = {
+                "step_s": spread(steps),
+                "system_share": median([r["system_s"] / (r["system_s"] + r["user_s"]) for r in side]),
+                "peak_rss_mib": median([r["peak_rss_mib"] for r in side]),
+            }
+        ratios = []
+        for rep in sorted({r["repeat"] for r in mine}):
+            pair = {r["retain"]: median(r["step_s"]) for r in mine if r["repeat"] == rep}
+            if True in pair and False in pair:
+                ratios.append(pair[False] / pair[True])
+        row["off_over_on"] = spread(ratios) if ratios else None
+        out[draft] = row
+    return out
+
+
+def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    header = [
+        "draft",
+        "retain_freed_memory",
+        "s/step (median, min–max)",
+        "kernel share of CPU time",
+        "peak RSS MiB",
+        "speedup (off / on, per repeat)",
+    ]
+    rows = []
+    for draft, row in summary.items():
+        ratio = row["off_over_on"]
+        for label in ("on", "off"):
+            s = row[label]
+            rows.append(
+                [
+                    draft,
+                    "true" if label == "on" else "false",
+                    f"{fmt(s['step_s']['median'], 2)} ({fmt(s['step_s']['min'], 2)}–{fmt(s['step_s']['max'], 2)})",
+                    f"{100 * s['system_share']:.0f}%",
+                    f"{s['peak_rss_mib']:.0f}",
+                    (
+                        f"**{ratio['median']:.2f}x** ({ratio['min']:.2f}–{ratio['max']:.2f}, n={ratio['n']})"
+                        if label == "on" and ratio
+                        else ""
+                    ),
+                ]
+            )
+    note = (
+        f"\n\n{args.steps} timed steps after {args.warmup} untimed, {args.repeats} repeat(s), each run its own "
+        f"process, settings alternating in order; data: `{args.run_dir}`, config `{args.config}`, "
+        f"{args.threads} threads."
+    )
+    return (
+        "### Train step: glibc keeping freed memory (`train.retain_freed_memory`)\n\n"
+        + markdown_table(header, rows)
+        + note
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/smollm2-sharegpt.yaml")
+    p.add_argument(
+        "--run-dir", default="checkpoints/smollm2-sharegpt", help="a run with a complete data stage"
+    )
+    p.add_argument("--drafts", default=",".join(DRAFTS), help=f"comma list of {sorted(DRAFTS)}")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--quick", action="store_true", help="2 timed steps, 1 repeat, the autoregressive draft")
+    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    if args.quick:
+        args.steps, args.warmup, args.repeats, args.drafts = 2, 1, 1, "autoregressive"
+    data = (REPO / args.run_dir / "data").resolve()
+    if not (data / "manifest.json").is_file():
+        print(
+            f"{data}: no complete data stage; run `make demo` (or `distill data -c {args.config}`) first, "
+            "or pass --run-dir",
+            file=sys.stderr,
+        )
+        return 2
+    drafts = [d for d in args.drafts.split(",") if d]
+    unknown = [d for d in drafts if d not in DRAFTS]
+    if unknown:
+        print(f"--drafts: unknown {unknown}; choose from {sorted(DRAFTS)}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench_malloc."))
+    (work / "data").symlink_to(data, target_is_directory=True)
+    started = utc_now()
+    runs = []
+    for rep in range(args.repeats):
+        order = (True, False) if rep % 2 == 0 else (False, True)
+        for draft in drafts:
+            for retain in order:
+                job = {
+                    "config": str(REPO / args.config),
+                    "run_dir": str(work),
+                    "overrides": DRAFTS[draft],
+                    "retain": retain,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "threads": args.threads,
+                    "draft": draft,
+                }
+                result = run_worker(job, args.threads)
+                runs.append({"draft": draft, "retain": retain, "repeat": rep, **result})
+                print(
+                    f"repeat {rep} {draft} retain={retain}: median {median(result['step_s']):.2f} s/step, "
+                    f"system {result['system_s']:.1f} s / user {result['user_s']:.1f} s",
+                    flush=True,
+                )
+    summary = summarize(runs)
+    payload = {"started_utc": started, "finished_utc": utc_now(), "summary": summary, "runs": runs}
+    write_fragment(
+        "malloc",
+        payload,
+        markdown(summary, args),
+        command=command_line("bench.bench_malloc", argv),
+        machine=machine_info(),
+        out_dir=args.out_dir,
+    )
+    print((args.out_dir / "malloc.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Keep freed heap memory inside the process on Linux/glibc (`train.retain_freed_memory`).
+
+A training step allocates and frees vocabulary-sized tensors several times (a micro-batch's draft logits are
+P x 49,152 floats, 1-2 GB, and the softmax, its gradient and the loss each make one). glibc serves blocks that
+large with `mmap` and gives them back to the kernel on `free`, so every step page-faults gigabytes of fresh,
+kernel-zeroed pages: on the 2-core CPU machine the kernel's share of a SmolLM2 parallel-draft step was 65% of its
+wall time (BENCHMARKS.md, train stage). `mallopt(M_MMAP_MAX, 0)` makes glibc serve every block from the heap and
+`mallopt(M_TRIM_THRESHOLD, huge)` keeps freed heap memory for the next allocation: the same pages are reused
+step after step. The cost is that the process keeps its peak resident memory until it exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+log = logging.getLogger("distill")
+
+# glibc's mallopt parameter numbers (malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+# Largest value mallopt takes for the trim threshold (an int): freed heap memory is then never trimmed.
+NEVER_TRIM = 2**31 - 1
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    # gnu_get_libc_version exists only in glibc (musl and others have no mallopt knobs of this meaning).
+    return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
+
+
+def retain_freed_memory(libc: ctypes.CDLL | None = None) -> bool:
+    """Ask glibc to keep freed memory in the process (module docstring). True when both settings took."""
+    libc = libc if libc is not None else _glibc()
+    if libc is None:
+        return False
+    ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
+    if not ok:
+        log.debug("mallopt refused M_MMAP_MAX / M_TRIM_THRESHOLD; freed memory goes back to the kernel")
+    return ok
