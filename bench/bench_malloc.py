@@ -129,7 +129,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         callbacks=[timer],
-        precision="32-true" if cfg.train.precision == "32" else cfg.train.precision,
+        precision="32-true" if cfg.train.precision == "32" else "bf16-mixed",
     )
     trainer.fit(module, datamodule=dm)
     (u0, s0), (u1, s1) = timer.cpu

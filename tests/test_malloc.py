@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -18,6 +19,10 @@ class FakeLibc:
         self.calls.append((param, value))
         return self.answer
 
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append(("trim", pad))  # type: ignore[arg-type]
+        return 1
+
 
 def test_asks_glibc_to_serve_from_the_heap_and_never_trim():
     libc = FakeLibc()
@@ -33,4 +38,43 @@ def test_a_refused_setting_is_reported_not_raised():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_this_linux_has_glibc_and_the_setting_takes():
     assert malloc._glibc() is not None
-    assert malloc.retain_freed_memory() is True
+    with malloc.freed_memory_retained(True) as on:  # never left on: later tests start vLLM in this process
+        assert on is True
+
+
+def test_leaving_the_block_restores_the_defaults_and_trims_even_on_error():
+    libc = FakeLibc()
+    with pytest.raises(RuntimeError), malloc.freed_memory_retained(True, libc) as on:  # type: ignore[arg-type]
+        assert on is True
+        raise RuntimeError("training failed")
+    assert libc.calls[2:] == [
+        (malloc.M_MMAP_MAX, malloc.DEFAULT_MMAP_MAX),
+        (malloc.M_TRIM_THRESHOLD, malloc.DEFAULT_TRIM_THRESHOLD),
+        ("trim", 0),
+    ]
+    off = FakeLibc()
+    with malloc.freed_memory_retained(False, off) as on:  # type: ignore[arg-type]
+        assert on is False
+    assert off.calls == []
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_freed_memory_stays_inside_the_block_and_is_handed_back_after_it():
+    """The real allocator: a freed 512 MiB block stays resident inside the block (the next step reuses it)
+    and is returned to the kernel when the block ends (so vLLM, started next by `distill run`, has it)."""
+    import torch
+
+    base = _rss_mib()
+    with malloc.freed_memory_retained(True) as on:
+        assert on is True
+        block = torch.ones(128 * 2**20, dtype=torch.float32)  # 512 MiB, touched
+        del block
+        retained = _rss_mib()
+    after = _rss_mib()
+    assert retained - base > 400, (base, retained)
+    assert retained - after > 400, (retained, after)

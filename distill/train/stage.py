@@ -443,15 +443,21 @@ def _export(cfg: Config, module: Any, tokenizer: Any, target_dir: Path) -> Path:
 
 
 def run(cfg: Config) -> int | None:
+    from distill.utils.malloc import freed_memory_retained
+
+    plan = validate(cfg)
+    # Training's objects are gone when _train returns, so leaving the block hands their memory back.
+    with freed_memory_retained(cfg.train.retain_freed_memory):
+        _train(cfg, plan)
+    return None
+
+
+def _train(cfg: Config, plan: Plan) -> None:
+    """The train stage proper (`run`), inside the allocator setting."""
     import lightning as L
 
     from distill.models.draft import build_initial_draft, load_model_config, load_tokenizer
 
-    plan = validate(cfg)
-    if cfg.train.retain_freed_memory:
-        from distill.utils.malloc import retain_freed_memory
-
-        retain_freed_memory()
     child = is_child_rank()
     if not child:
         rundir.start_stage(cfg, "train")

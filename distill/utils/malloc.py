@@ -6,15 +6,20 @@ large with `mmap` and gives them back to the kernel on `free`, so every step pag
 kernel-zeroed pages: on the 2-core CPU machine the kernel's share of a SmolLM2 parallel-draft step was 65% of its
 wall time (BENCHMARKS.md, train stage). `mallopt(M_MMAP_MAX, 0)` makes glibc serve every block from the heap and
 `mallopt(M_TRIM_THRESHOLD, huge)` keeps freed heap memory for the next allocation: the same pages are reused
-step after step. The cost is that the process keeps its peak resident memory until it exits.
+step after step. The cost is that the process would keep its peak resident memory: `freed_memory_retained`
+therefore restores glibc's defaults when training ends and hands the freed memory back (`malloc_trim`), so a
+`distill run` that goes on to start vLLM for the eval finds the memory free again (vLLM on CPU refuses to start
+when the free memory is below its KV cache size).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import sys
+from collections.abc import Iterator
 
 log = logging.getLogger("distill")
 
@@ -23,6 +28,9 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 # Largest value mallopt takes for the trim threshold (an int): freed heap memory is then never trimmed.
 NEVER_TRIM = 2**31 - 1
+# glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD).
+DEFAULT_MMAP_MAX = 65536
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -45,3 +53,28 @@ def retain_freed_memory(libc: ctypes.CDLL | None = None) -> bool:
     if not ok:
         log.debug("mallopt refused M_MMAP_MAX / M_TRIM_THRESHOLD; freed memory goes back to the kernel")
     return ok
+
+
+def release_freed_memory(libc: ctypes.CDLL | None = None) -> bool:
+    """Undo `retain_freed_memory` (glibc's default mmap and trim settings) and return every free heap page to
+    the kernel now (`malloc_trim(0)`). True when glibc took it."""
+    libc = libc if libc is not None else _glibc()
+    if libc is None:
+        return False
+    ok = bool(libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+    )
+    libc.malloc_trim(0)
+    return ok
+
+
+@contextlib.contextmanager
+def freed_memory_retained(enabled: bool = True, libc: ctypes.CDLL | None = None) -> Iterator[bool]:
+    """Keep freed memory in the process inside the block (when `enabled` and glibc takes it); on leaving it,
+    even by an exception, give it back. Yields whether the setting is in force."""
+    on = enabled and retain_freed_memory(libc)
+    try:
+        yield on
+    finally:
+        if on:
+            release_freed_memory(libc)
