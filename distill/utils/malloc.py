@@ -3,8 +3,9 @@
 A training step allocates and frees vocabulary-sized tensors several times (a micro-batch's draft logits are
 P x 49,152 floats, 1-2 GB, and the softmax, its gradient and the loss each make one). glibc serves blocks that
 large with `mmap` and gives them back to the kernel on `free`, so every step page-faults gigabytes of fresh,
-kernel-zeroed pages: on the 2-core CPU machine the kernel's share of a SmolLM2 parallel-draft step was 65% of its
-wall time (BENCHMARKS.md, train stage). `mallopt(M_MMAP_MAX, 0)` makes glibc serve every block from the heap and
+kernel-zeroed pages: on the 2-core CPU machine the kernel took 26% (autoregressive draft) and 32% (parallel
+draft) of a SmolLM2 training process's CPU time, 8% and 19% with this setting, whose steps ran 1.33x and 1.29x
+faster (BENCHMARKS.md, section 7). `mallopt(M_MMAP_MAX, 0)` makes glibc serve every block from the heap and
 `mallopt(M_TRIM_THRESHOLD, huge)` keeps freed heap memory for the next allocation: the same pages are reused
 step after step. The cost is that the process would keep its peak resident memory: `freed_memory_retained`
 therefore restores glibc's defaults when training ends and hands the freed memory back (`malloc_trim`), so a
