@@ -12,8 +12,12 @@ def test_recipes_are_valid_config_overrides():
     from distill.config import load_config
 
     for name, overrides in bench_recipes.RECIPES.items():
-        load_config("configs/smollm2-sharegpt.yaml", [*bench_recipes.SHARED, *overrides])  # raises if invalid
+        cfg = load_config(
+            "configs/smollm2-sharegpt.yaml", [*bench_recipes.SHARED, *overrides]
+        )  # raises if invalid
         assert any(o.startswith("draft.num_layers=") for o in overrides), name
+        # autoregressive recipes stay autoregressive whatever the shipped config's drafting mode
+        assert cfg.draft.parallel_tokens == (4 if name.startswith("pard4") else 0), name
 
 
 def test_table_from_validation_history(tmp_path: Path):
