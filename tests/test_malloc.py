@@ -31,8 +31,10 @@ def test_asks_glibc_to_serve_from_the_heap_and_never_trim():
     assert (malloc.M_TRIM_THRESHOLD, malloc.M_MMAP_MAX) == (-1, -4)  # glibc's malloc.h numbers
 
 
-def test_a_refused_setting_is_reported_not_raised():
-    assert malloc.retain_freed_memory(FakeLibc(answer=0)) is False  # type: ignore[arg-type]
+def test_a_refused_setting_is_reported_not_raised_and_undone():
+    libc = FakeLibc(answer=0)
+    assert malloc.retain_freed_memory(libc) is False  # type: ignore[arg-type]
+    assert libc.calls[-1] == ("trim", 0) and (malloc.M_MMAP_MAX, malloc.DEFAULT_MMAP_MAX) in libc.calls
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")

@@ -51,7 +51,8 @@ def retain_freed_memory(libc: ctypes.CDLL | None = None) -> bool:
     if libc is None:
         return False
     ok = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
-    if not ok:
+    if not ok:  # never leave half of it in force
+        release_freed_memory(libc)
         log.debug("mallopt refused M_MMAP_MAX / M_TRIM_THRESHOLD; freed memory goes back to the kernel")
     return ok
 
