@@ -30,6 +30,7 @@ from typing import Any
 from bench.common import (
     OUT_DIR,
     REPO,
+    bare_trainer,
     command_line,
     fmt,
     machine_info,
@@ -58,7 +59,6 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         if not retain_freed_memory():
             raise SystemExit("glibc refused the mallopt settings: nothing to compare on this machine")
 
-    import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
 
@@ -118,19 +118,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
                 self.cpu.append((use.ru_utime, use.ru_stime))
 
     timer = Timer()
-    trainer = L.Trainer(
-        max_steps=steps,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        callbacks=[timer],
-        precision="32-true" if cfg.train.precision == "32" else "bf16-mixed",
-    )
+    trainer = bare_trainer(steps, precision=cfg.train.precision, callbacks=[timer])
     trainer.fit(module, datamodule=dm)
     (u0, s0), (u1, s1) = timer.cpu
     return {

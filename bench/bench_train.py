@@ -128,10 +128,10 @@ def worker_plain(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_lightning(args: dict[str, Any]) -> dict[str, Any]:
-    import lightning as L
     import torch
     from lightning.pytorch.callbacks import Callback
 
+    from bench.common import bare_trainer
     from distill.train.stage import build_module
 
     cfg, tok, draft, teacher, (dm, spec, _) = _setup(args, args["teacher"])
@@ -155,19 +155,7 @@ def worker_lightning(args: dict[str, Any]) -> dict[str, Any]:
             self.tokens.append(sum(int(mb.attention_mask.sum()) for mb in batch))
 
     timer = Timer()
-    trainer = L.Trainer(
-        max_steps=args["steps"] + args["warmup"],
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        callbacks=[timer],
-        precision="32-true" if args["precision"] == "32" else "bf16-mixed",
-    )
+    trainer = bare_trainer(args["steps"] + args["warmup"], precision=args["precision"], callbacks=[timer])
     trainer.fit(module, datamodule=dm)
     w = args["warmup"]
     return {
@@ -180,8 +168,7 @@ def worker_lightning(args: dict[str, Any]) -> dict[str, Any]:
 def worker_acceptance(args: dict[str, Any]) -> dict[str, Any]:
     """Train `steps` steps (online = full logits, or cached top-k), then measure val acceptance against the
     full-logit teacher (the true figure, not the top-k upper bound)."""
-    import lightning as L
-
+    from bench.common import bare_trainer
     from distill.models.draft import load_causal_lm
     from distill.train.data import load_rows, val_loader
     from distill.train.module import evaluate_draft
@@ -189,18 +176,7 @@ def worker_acceptance(args: dict[str, Any]) -> dict[str, Any]:
 
     cfg, tok, draft, teacher, (dm, spec, target_dir) = _setup(args, args["teacher"])
     module = build_module(cfg, draft, teacher, spec, len(tok))
-    trainer = L.Trainer(
-        max_steps=args["steps"],
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        accelerator="auto",
-    )
+    trainer = bare_trainer(args["steps"])
     trainer.fit(module, datamodule=dm)
     full_teacher = load_causal_lm(target_dir)
     rows = load_rows(cfg.run_dir, "val", cached=False, max_seq_len=cfg.train.max_seq_len)

@@ -99,6 +99,30 @@ def machine_line(m: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Training
+
+
+def bare_trainer(max_steps: int, *, precision: str = "32", callbacks: Sequence[Any] = ()) -> Any:
+    """A Lightning Trainer that only trains `max_steps` steps: no logger, checkpoints, progress bar,
+    validation or sampler wrapping (what the train benches time). `precision`: train.precision's values."""
+    import lightning as L
+
+    return L.Trainer(
+        max_steps=max_steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=list(callbacks),
+        precision="32-true" if str(precision) == "32" else "bf16-mixed",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Statistics
 
 
