@@ -80,3 +80,27 @@ def test_freed_memory_stays_inside_the_block_and_is_handed_back_after_it():
     after = _rss_mib()
     assert retained - base > 400, (base, retained)
     assert retained - after > 400, (retained, after)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_a_free_heap_top_larger_than_2_gib_is_kept_too():
+    """A parallel draft's step frees more than 2 GiB at once: the trim threshold must not be a positive int
+    (glibc trims a free top of 2 GiB or more under the largest one, 2**31 - 1)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 2 * 2**30 + 256 * 2**20  # 2.25 GiB
+    with malloc.freed_memory_retained(True) as on:
+        assert on is True
+        base = _rss_mib()
+        block = libc.malloc(size)
+        assert block, "malloc of 2.25 GiB failed"
+        ctypes.memset(block, 1, size)
+        libc.free(block)
+        retained = _rss_mib()
+    after = _rss_mib()
+    assert retained - base > 2000, (base, retained)
+    assert retained - after > 2000, (retained, after)

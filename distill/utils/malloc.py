@@ -6,7 +6,7 @@ large with `mmap` and gives them back to the kernel on `free`, so every step pag
 kernel-zeroed pages: on the 2-core CPU machine the kernel took 26% (autoregressive draft) and 32% (parallel
 draft) of a SmolLM2 training process's CPU time, 8% and 19% with this setting, whose steps ran 1.33x and 1.29x
 faster (BENCHMARKS.md, section 7). `mallopt(M_MMAP_MAX, 0)` makes glibc serve every block from the heap and
-`mallopt(M_TRIM_THRESHOLD, huge)` keeps freed heap memory for the next allocation: the same pages are reused
+`mallopt(M_TRIM_THRESHOLD, -1)` keeps freed heap memory for the next allocation: the same pages are reused
 step after step. The cost is that the process would keep its peak resident memory: `freed_memory_retained`
 therefore restores glibc's defaults when training ends and hands the freed memory back (`malloc_trim`), so a
 `distill run` that goes on to start vLLM for the eval finds the memory free again (vLLM on CPU refuses to start
@@ -28,7 +28,7 @@ log = logging.getLogger("distill")
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 # Largest value mallopt takes for the trim threshold (an int): freed heap memory is then never trimmed.
-NEVER_TRIM = 2**31 - 1
+NEVER_TRIM = -1
 # glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD).
 DEFAULT_MMAP_MAX = 65536
 DEFAULT_TRIM_THRESHOLD = 128 * 1024
