@@ -2,7 +2,7 @@
 side by side, on a real data run: the autoregressive draft and the parallel (PARD) draft of the embedded default.
 
     python -m bench.bench_malloc                                   # the demo's data run (make demo first)
-    python -m bench.bench_malloc --run-dir checkpoints/smollm2-sharegpt --steps 8 --warmup 2 --repeats 3
+    python -m bench.bench_malloc --run-dir checkpoints/smollm2-sharegpt --steps 20 --warmup 2 --repeats 2
     python -m bench.bench_malloc --quick                           # 2 timed steps, 1 repeat, AR only
 
 Each measurement is its own process (a fresh heap), running `distill train`'s Lightning step (same module,
@@ -10,7 +10,9 @@ data module and precision as the config) on the run's cached data for --warmup u
 Within a repeat every draft runs once with the setting on and once off, the order alternating from repeat to
 repeat so that a drifting machine does not favour one side. Reported per draft: the median step time over all
 timed steps of all repeats for each setting, their ratio per repeat (off / on; its median and min–max), the
-CPU time the kernel spent on the process (system) against user time, and peak RSS. Written to
+CPU time the kernel spent on the process (system) against user time, and peak RSS. With the setting on the
+worker hands the retained memory back every TRIM_EVERY_STEPS steps as `distill train` does (train/stage.py), so
+the default 2 + 20 steps include one such trim and the page faults of the step after it. Written to
 `bench/out/malloc.{json,md}`.
 """
 
@@ -65,7 +67,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     from distill.config import load_config
     from distill.models.draft import build_initial_draft, load_model_config, load_tokenizer
     from distill.models.resolve import resolve_model
+    from distill.train.callbacks import TrimFreedMemory
     from distill.train.stage import (
+        TRIM_EVERY_STEPS,
         build_datamodule,
         build_module,
         load_teacher,
@@ -118,7 +122,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
                 self.cpu.append((use.ru_utime, use.ru_stime))
 
     timer = Timer()
-    trainer = bare_trainer(steps, precision=cfg.train.precision, callbacks=[timer])
+    # as `distill train` does with the setting on: the retained memory goes back every TRIM_EVERY_STEPS steps
+    trims = [TrimFreedMemory(TRIM_EVERY_STEPS)] if args["retain"] else []
+    trainer = bare_trainer(steps, precision=cfg.train.precision, callbacks=[timer, *trims])
     trainer.fit(module, datamodule=dm)
     (u0, s0), (u1, s1) = timer.cpu
     return {
@@ -218,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "--run-dir", default="checkpoints/smollm2-sharegpt", help="a run with a complete data stage"
     )
     p.add_argument("--drafts", default=",".join(DRAFTS), help=f"comma list of {sorted(DRAFTS)}")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)

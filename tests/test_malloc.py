@@ -104,3 +104,37 @@ def test_a_free_heap_top_larger_than_2_gib_is_kept_too():
     after = _rss_mib()
     assert retained - base > 2000, (base, retained)
     assert retained - after > 2000, (retained, after)
+
+
+def test_retained_memory_goes_back_once_every_n_optimizer_steps():
+    """TrimFreedMemory: a trim at every n-th optimizer step, once even when gradient accumulation ends several
+    batches at the same global step, none at step 0."""
+    from types import SimpleNamespace
+
+    from distill.train.callbacks import TrimFreedMemory
+
+    trimmed_at: list[int] = []
+    trainer = SimpleNamespace(global_step=0)
+    cb = TrimFreedMemory(2, trim=lambda: trimmed_at.append(trainer.global_step))
+    for step in [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5]:
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert trimmed_at == [2, 4]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_a_trim_inside_the_block_hands_the_memory_back_and_keeps_the_setting():
+    import torch
+
+    with malloc.freed_memory_retained(True) as on:
+        assert on is True
+        block = torch.ones(128 * 2**20, dtype=torch.float32)  # 512 MiB, touched
+        del block
+        retained = _rss_mib()
+        assert malloc.trim_freed_memory() is True
+        trimmed = _rss_mib()
+        block = torch.ones(128 * 2**20, dtype=torch.float32)
+        del block
+        kept_again = _rss_mib()
+    assert retained - trimmed > 400, (retained, trimmed)
+    assert kept_again - trimmed > 400, (trimmed, kept_again)  # still retaining after the trim

@@ -126,6 +126,28 @@ def _fsync(path: Path) -> None:
             os.close(fd)
 
 
+class TrimFreedMemory(Callback):
+    """While `train.retain_freed_memory` keeps freed memory in the process, hand it back every `every_n_steps`
+    optimizer steps (`distill.utils.malloc.trim_freed_memory`): the retained memory fragments and would grow
+    without bound; trimming costs the next step its page faults, once per `every_n_steps` steps."""
+
+    def __init__(self, every_n_steps: int, trim: Callable[[], object] | None = None) -> None:
+        from distill.utils.malloc import trim_freed_memory
+
+        self.every_n_steps = every_n_steps
+        self.trim = trim or trim_freed_memory
+        self.last_trimmed = -1
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        # once per optimizer step: with gradient accumulation several batches end at the same global step
+        if step and step % self.every_n_steps == 0 and step != self.last_trimmed:
+            self.last_trimmed = step
+            self.trim()
+
+
 class LogProgress(Callback):
     """Training progress as log lines (used instead of the rich bar when stdout is not a terminal: cron, SLURM,
     `make demo > log`): step, loss, seconds per step and ETA at most every `every_s` seconds, and the
