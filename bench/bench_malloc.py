@@ -11,7 +11,7 @@ Within a repeat every draft runs once with the setting on and once off, the orde
 repeat so that a drifting machine does not favour one side. Reported per draft: the median step time over all
 timed steps of all repeats for each setting, their ratio per repeat (off / on; its median and min–max), the
 CPU time the kernel spent on the process (system) against user time, and peak RSS. With the setting on the
-worker hands the retained memory back every TRIM_EVERY_STEPS steps as `distill train` does (train/stage.py), so
+worker hands the retained memory back every TRIM_EVERY_STEPS steps as `distill train` does (distill/utils/malloc.py), so
 the default 2 + 20 steps include one such trim and the page faults of the step after it. Written to
 `bench/out/malloc.{json,md}`.
 """
@@ -54,6 +54,12 @@ DRAFTS: dict[str, list[str]] = {
 # Worker side: one (draft, setting) in one process
 
 
+def trim_every(args: argparse.Namespace) -> int:
+    from distill.utils.malloc import TRIM_EVERY_STEPS
+
+    return int(getattr(args, "trim_every", 0) or TRIM_EVERY_STEPS)
+
+
 def worker(args: dict[str, Any]) -> dict[str, Any]:
     if args["retain"]:
         from distill.utils.malloc import retain_freed_memory
@@ -69,7 +75,6 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     from distill.models.resolve import resolve_model
     from distill.train.callbacks import TrimFreedMemory
     from distill.train.stage import (
-        TRIM_EVERY_STEPS,
         build_datamodule,
         build_module,
         load_teacher,
@@ -77,6 +82,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         parallel_of,
         shared_vocab,
     )
+    from distill.utils.malloc import TRIM_EVERY_STEPS
 
     steps = args["warmup"] + args["steps"]
     cfg = load_config(
@@ -123,7 +129,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
 
     timer = Timer()
     # as `distill train` does with the setting on: the retained memory goes back every TRIM_EVERY_STEPS steps
-    trims = [TrimFreedMemory(TRIM_EVERY_STEPS)] if args["retain"] else []
+    every = args.get("trim_every") or TRIM_EVERY_STEPS
+    trims = [TrimFreedMemory(every)] if args["retain"] else []
     trainer = bare_trainer(steps, precision=cfg.train.precision, callbacks=[timer, *trims])
     trainer.fit(module, datamodule=dm)
     (u0, s0), (u1, s1) = timer.cpu
@@ -208,7 +215,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
     note = (
         f"\n\n{args.steps} timed steps after {args.warmup} untimed, {args.repeats} repeat(s), each run its own "
         f"process, settings alternating in order; data: `{args.run_dir}`, config `{args.config}`, "
-        f"{args.threads} threads."
+        f"{args.threads} threads; retained memory handed back every {trim_every(args)} steps."
     )
     return (
         "### Train step: glibc keeping freed memory (`train.retain_freed_memory`)\n\n"
@@ -227,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--trim-every",
+        type=int,
+        default=0,
+        help="hand retained memory back every N steps (0 = distill train's TRIM_EVERY_STEPS)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true", help="2 timed steps, 1 repeat, the autoregressive draft")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
@@ -267,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                     "warmup": args.warmup,
                     "threads": args.threads,
                     "draft": draft,
+                    "trim_every": args.trim_every,
                 }
                 result = run_worker(job, args.threads)
                 runs.append({"draft": draft, "retain": retain, "repeat": rep, **result})

@@ -544,7 +544,7 @@ def test_retain_freed_memory_is_applied_unless_switched_off(
     trims: list[bool] = []
     monkeypatch.setattr(malloc, "retain_freed_memory", lambda *a: calls.append(True) or True)
     monkeypatch.setattr(malloc, "trim_freed_memory", lambda *a: trims.append(True) or True)
-    monkeypatch.setattr(stage, "TRIM_EVERY_STEPS", 1)
+    monkeypatch.setattr(malloc, "TRIM_EVERY_STEPS", 1)
     stage.run(make_cfg(tiny_config_overrides, data_template, "train.max_steps=2"))
     assert calls == [True]
     # the retained memory went back after each of the 2 steps (every 1 here) and once more when training ended

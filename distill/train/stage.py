@@ -307,11 +307,6 @@ def build_datamodule(cfg: Config, pad_id: int, parallel: Any = None) -> Any:
     )
 
 
-# How often retained freed memory goes back to the kernel (TrimFreedMemory): often enough that fragmentation stays
-# within ~1 GB, rarely enough that the page faults it costs stay ~2% of the time the retention saves.
-TRIM_EVERY_STEPS = 20
-
-
 def build_trainer(cfg: Config, plan: Plan, stop: StopFlag, memory_retained: bool = False) -> Any:
     import lightning as L
     from lightning.pytorch.callbacks import RichProgressBar
@@ -332,7 +327,9 @@ def build_trainer(cfg: Config, plan: Plan, stop: StopFlag, memory_retained: bool
         RichProgressBar(leave=True) if on_terminal else LogProgress(),
     ]
     if memory_retained:
-        callbacks.append(TrimFreedMemory(TRIM_EVERY_STEPS))
+        from distill.utils import malloc
+
+        callbacks.append(TrimFreedMemory(malloc.TRIM_EVERY_STEPS))
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,

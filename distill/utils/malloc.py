@@ -9,9 +9,10 @@ faster (BENCHMARKS.md, section 7). `mallopt(M_MMAP_MAX, 0)` makes glibc serve ev
 `mallopt(M_TRIM_THRESHOLD, -1)` keeps freed heap memory for the next allocation: the same pages are reused
 step after step. Retained memory fragments (a freed block serves only requests that fit it), so training hands
 it back every few steps (`trim_freed_memory`, train.callbacks.TrimFreedMemory) to keep it bounded. The process
-would also keep its peak resident memory after training: `freed_memory_retained` therefore restores glibc's defaults when training ends and hands the freed memory back (`malloc_trim`), so a
-`distill run` that goes on to start vLLM for the eval finds the memory free again (vLLM on CPU refuses to start
-when the free memory is below its KV cache size).
+would also keep its peak resident memory after training: `freed_memory_retained` therefore restores glibc's
+defaults when training ends and hands the freed memory back (`malloc_trim`), so a `distill run` that goes on
+to start vLLM for the eval finds the memory free again (vLLM on CPU refuses to start when the free memory is
+below its KV cache size).
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ log = logging.getLogger("distill")
 # glibc's mallopt parameter numbers (malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
-# Largest value mallopt takes for the trim threshold (an int): freed heap memory is then never trimmed.
+# mallopt(M_TRIM_THRESHOLD, -1) disables trimming completely (mallopt(3)): glibc stores the int as a size_t.
+# The largest positive int, 2**31 - 1, is not enough: glibc trims a free heap top of 2 GiB or more, and a
+# parallel draft's step frees more than that (its step ran 1.5x slower with it; BENCHMARKS.md, section 7).
 NEVER_TRIM = -1
+# How often training hands retained memory back (train.callbacks.TrimFreedMemory): fragmentation grows the
+# retained memory by gigabytes within tens of steps, and each trim costs the next step its page faults.
+TRIM_EVERY_STEPS = 20
 # glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD).
 DEFAULT_MMAP_MAX = 65536
 DEFAULT_TRIM_THRESHOLD = 128 * 1024
