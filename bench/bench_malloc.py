@@ -82,7 +82,6 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         parallel_of,
         shared_vocab,
     )
-    from distill.utils.malloc import TRIM_EVERY_STEPS
 
     steps = args["warmup"] + args["steps"]
     cfg = load_config(
@@ -128,9 +127,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
                 self.cpu.append((use.ru_utime, use.ru_stime))
 
     timer = Timer()
-    # as `distill train` does with the setting on: the retained memory goes back every TRIM_EVERY_STEPS steps
-    every = args.get("trim_every") or TRIM_EVERY_STEPS
-    trims = [TrimFreedMemory(every)] if args["retain"] else []
+    # as `distill train` does with the setting on: the retained memory goes back every few steps
+    trims = [TrimFreedMemory(args["trim_every"])] if args["retain"] else []
     trainer = bare_trainer(steps, precision=cfg.train.precision, callbacks=[timer, *trims])
     trainer.fit(module, datamodule=dm)
     (u0, s0), (u1, s1) = timer.cpu
@@ -280,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                     "warmup": args.warmup,
                     "threads": args.threads,
                     "draft": draft,
-                    "trim_every": args.trim_every,
+                    "trim_every": trim_every(args),
                 }
                 result = run_worker(job, args.threads)
                 runs.append({"draft": draft, "retain": retain, "repeat": rep, **result})
