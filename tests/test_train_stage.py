@@ -101,12 +101,16 @@ def test_smoke_acceptance_rises_and_export_loads(tiny_config_overrides, data_tem
     )
     assert list((td / "tensorboard").rglob("events.out.tfevents.*"))
     assert (rd / "draft_init" / "model.safetensors").is_file()
-    # The undistilled draft is the curves' step 0, in metrics.csv and in TensorBoard (Lightning logs the
-    # validation after step n at its 0-based batch index n - 1).
-    assert csv_val_rows(td / "metrics.csv")[0] == pytest.approx(base["expected_acceptance"])
+    # The undistilled draft is the curves' step 0, in metrics.csv and in TensorBoard, and every row sits at the
+    # number of optimizer steps taken, as in val_history.json (not at Lightning's 0-based batch index).
+    csv_val = csv_val_rows(td / "metrics.csv")
+    assert sorted(csv_val) == [0, 10, 20, 30]
+    assert csv_val[0] == pytest.approx(base["expected_acceptance"])
+    assert csv_val[30] == pytest.approx(final["expected_acceptance"])
     tb = tensorboard_scalars(td, "val/expected_acceptance")
-    assert [s for s, _ in tb] == [0, 9, 19, 29]
+    assert [s for s, _ in tb] == [0, 10, 20, 30]
     assert tb[0][1] == pytest.approx(base["expected_acceptance"])
+    assert [s for s, _ in tensorboard_scalars(td, "train/loss")][-1] == 30
 
     # The export is an HF folder whose logits equal the trained weights in the final checkpoint.
     exported = AutoModelForCausalLM.from_pretrained(str(rd / "draft"))
@@ -337,7 +341,7 @@ def test_rerun_of_finished_run_is_a_noop_resume(tiny_config_overrides, data_temp
     assert all(torch.equal(before[k], after[k]) for k in before)
     history = json.loads((cfg.run_dir / "train" / "val_history.json").read_text())
     assert [h["step"] for h in history] == [4]
-    assert sorted(csv_val_rows(cfg.run_dir / "train" / "metrics.csv")) == [0, 3]
+    assert sorted(csv_val_rows(cfg.run_dir / "train" / "metrics.csv")) == [0, 4]
 
 
 # ---------------------------------------------------------------------------------------------------------

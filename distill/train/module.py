@@ -259,6 +259,13 @@ def evaluate_draft(
     return acc.summary()
 
 
+def with_logged_step(metrics: dict[str, float], optimizer_steps: int) -> dict[str, float]:
+    """The metrics plus a `step` entry, which Lightning's logger connector takes as the x-axis of the row.
+    Without it, a manually optimised module's rows land at the 0-based batch index: the validation after step
+    100 would be plotted at 99, one step before the checkpoint and `val_history.json` that name it 100."""
+    return {**metrics, "step": float(optimizer_steps)}
+
+
 def val_log_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The logged validation figures (`val/...` overall, `val_pos/..._<position>` per position) of a summary."""
     metrics = {
@@ -420,7 +427,13 @@ class DistillModule(L.LightningModule):
         if self._t_last is not None:
             metrics["train/tokens_per_s"] = tokens / max(now - self._t_last, 1e-9)
         self._t_last = now
-        self.log_dict(metrics, prog_bar=False, on_step=True, on_epoch=False, rank_zero_only=True)
+        self.log_dict(
+            with_logged_step(metrics, self.global_step),
+            prog_bar=False,
+            on_step=True,
+            on_epoch=False,
+            rank_zero_only=True,
+        )
         self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=False, logger=False, rank_zero_only=True)
         if "train/tokens_per_s" in metrics:
             self.log(
@@ -465,6 +478,6 @@ class DistillModule(L.LightningModule):
         summary["step"] = int(self.global_step) if fitting or self.eval_step is None else self.eval_step
         if self.trainer.is_global_zero and self.history_path is not None:
             append_history(self.history_path, summary)
-        metrics = val_log_metrics(summary)
+        metrics = with_logged_step(val_log_metrics(summary), summary["step"])
         self.log_dict(metrics, prog_bar=False, sync_dist=False, rank_zero_only=True)
         self.log("val_acc", summary["expected_acceptance"], prog_bar=True, logger=False, rank_zero_only=True)
