@@ -136,12 +136,19 @@ def display_path(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
-def save_phase(phase: str, run_dir: Path, argv: list[str], rc: int, wall_s: float, out_dir: Path) -> None:
+def fragment_name(phase: str, tag: str = "") -> str:
+    """eval-<phase>, or eval-<phase>-<tag> for a tagged study that must not overwrite the phase's own figures."""
+    return f"eval-{phase}" + (f"-{tag}" if tag else "")
+
+
+def save_phase(
+    phase: str, run_dir: Path, argv: list[str], rc: int, wall_s: float, out_dir: Path, tag: str = ""
+) -> None:
     import json
 
     src = run_dir / "eval"
     report = json.loads((src / "report.json").read_text())
-    dest = out_dir / f"eval-{phase}"
+    dest = out_dir / fragment_name(phase, tag)
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.log", "partial.json"))
@@ -157,7 +164,7 @@ def save_phase(phase: str, run_dir: Path, argv: list[str], rc: int, wall_s: floa
     payload = {"phase": phase, "exit": rc, "wall_s": round(wall_s, 1), "complete": report["complete"],
                "rows": rows, "recommendation": rec, "warnings": report.get("warnings", [])}  # fmt: skip
     write_fragment(
-        f"eval-{phase}",
+        fragment_name(phase, tag),
         payload,
         head + table(rows) + tail,
         command=command_line("bench.bench_eval", argv),
@@ -166,7 +173,9 @@ def save_phase(phase: str, run_dir: Path, argv: list[str], rc: int, wall_s: floa
     )
 
 
-def run_phase(phase: str, config: str, overrides: list[str], argv: list[str], out_dir: Path) -> int:
+def run_phase(
+    phase: str, config: str, overrides: list[str], argv: list[str], out_dir: Path, tag: str = ""
+) -> int:
     from distill.cli import main as cli_main
     from distill.config import load_config
 
@@ -177,8 +186,8 @@ def run_phase(phase: str, config: str, overrides: list[str], argv: list[str], ou
     if not (run_dir / "eval" / "report.json").is_file():
         print(f"phase {phase}: no report written (exit {rc})", file=sys.stderr)
         return rc or 1
-    save_phase(phase, run_dir, argv, rc, wall, out_dir)
-    print((out_dir / f"eval-{phase}.md").read_text())
+    save_phase(phase, run_dir, argv, rc, wall, out_dir, tag)
+    print((out_dir / f"{fragment_name(phase, tag)}.md").read_text())
     return rc
 
 
@@ -189,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase", choices=[*PHASES, "all"], default="all")
     p.add_argument("--quick", action="store_true", help="a smaller t0 sweep: " + " ".join(QUICK))
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    p.add_argument(
+        "--tag",
+        default="",
+        help="name the figures eval-<phase>-<tag> (a study on another run folder, e.g. a longer training)",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     rc = ensure_trained(args.config, args.overrides)
@@ -200,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         phases = PHASES if args.phase == "all" else {args.phase: PHASES[args.phase]}
     worst = 0
     for name, phase_overrides in phases.items():
-        rc = run_phase(name, args.config, COMMON + phase_overrides + args.overrides, argv, args.out_dir)
+        overrides = COMMON + phase_overrides + args.overrides
+        rc = run_phase(name, args.config, overrides, argv, args.out_dir, args.tag)
         worst = worst or rc
     return worst
 

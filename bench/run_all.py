@@ -40,6 +40,15 @@ FULL_RUNS: dict[str, dict[str, list[str]]] = {
                   "--warmup", "2", "--threads", "2", "--n-train", "64", "--n-val", "16"],
         "acceptance": ["--only", "acceptance"],
     },
+    "bench_eval": {
+        "": [],
+        # The learning-curve study: the shipped recipe trained 900 steps instead of 300 (its own run folder,
+        # same data config), beside the shipped 300-step draft that the default run above trained, 1 pass.
+        "t0-900": ["--phase", "t0", "--tag", "900", "run.dir=bench/out/work/pard-900", "train.max_steps=900",
+                   "eval.k=[2]", "eval.repeats=1", "eval.ngram=false", "eval.analytic_prompts=0",
+                   "eval.drafts=[{name: distilled-300, model: checkpoints/smollm2-sharegpt/draft}, "
+                   "{name: distilled-900, model: '${run.dir}/draft'}]"],
+    },
     "bench_drafts": {
         "bf16": ["--layers", "1,2,4,6", "--dtype", "bfloat16", "--name", "drafts-bf16", "--repeats", "3",
                  "--draft", "distilled=checkpoints/smollm2-sharegpt/draft"],

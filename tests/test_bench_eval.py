@@ -51,3 +51,17 @@ def test_spread_counts_each_pass_own_tokens():
            "output_tokens": 400, "output_tokens_per_pass": [400, 300, 500]}  # fmt: skip
     (r,) = bench_eval.result_rows({"results": [row]})
     assert r["tokens_per_s_spread"]["min"] == 30.0 and r["tokens_per_s_spread"]["max"] == 50.0
+
+
+def test_a_tagged_study_keeps_the_phase_figures(tmp_path: Path):
+    """`--tag 900` (e.g. a longer training in its own run folder) writes eval-t0-900, leaving eval-t0 alone."""
+    run_dir = tmp_path / "run"
+    (run_dir / "eval").mkdir(parents=True)
+    (run_dir / "eval" / "report.json").write_text(json.dumps(_report()))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "eval-t0.md").write_text("the phase's own figures")
+    bench_eval.save_phase("t0", run_dir, ["--phase", "t0", "--tag", "900"], 0, 3.0, out, tag="900")
+    assert (out / "eval-t0.md").read_text() == "the phase's own figures"
+    assert json.loads((out / "eval-t0-900.json").read_text())["command"].endswith("--tag 900")
+    assert (out / "eval-t0-900" / "report.json").is_file()
