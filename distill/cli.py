@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("DISTILL_TRACEBACK"):
             traceback.print_exc()
         return EXIT_RUNTIME
+    finally:
+        from distill.rundir import detach_log_file
+
+        detach_log_file()
 
 
 def threading_is_main() -> bool:

@@ -179,12 +179,13 @@ def attach_log_file(run_dir: Path) -> Path:
     into another run's log."""
     path = Path(run_dir) / "distill.log"
     root = logging.getLogger("distill")
-    for h in list(root.handlers):
-        if getattr(h, _RUN_LOG_MARK, False):
-            if Path(cast(logging.FileHandler, h).baseFilename) == path.resolve():
-                return path
-            root.removeHandler(h)
-            h.close()
+    for h in root.handlers:
+        if (
+            getattr(h, _RUN_LOG_MARK, False)
+            and Path(cast(logging.FileHandler, h).baseFilename) == path.resolve()
+        ):
+            return path
+    detach_log_file()
     handler = logging.FileHandler(path, encoding="utf-8")
     setattr(handler, _RUN_LOG_MARK, True)
     handler.setLevel(logging.DEBUG)
@@ -194,6 +195,16 @@ def attach_log_file(run_dir: Path) -> Path:
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)
     return path
+
+
+def detach_log_file() -> None:
+    """Close the run log `attach_log_file` opened: a process that goes on after its stage (a notebook, a
+    scheduler calling `distill.cli.main`) then neither holds the file open nor writes later records into it."""
+    root = logging.getLogger("distill")
+    for h in list(root.handlers):
+        if getattr(h, _RUN_LOG_MARK, False):
+            root.removeHandler(h)
+            h.close()
 
 
 def log_file(run_dir: Path) -> Path:

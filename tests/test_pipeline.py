@@ -262,6 +262,23 @@ def test_one_run_log_per_process_at_a_time(tmp_path):
         assert "record of run a" in a and "record of run b" not in a
         assert b.count("record of run b") == 1 and "record of run a" not in b
     finally:
-        for h in [h for h in logging.getLogger("distill").handlers if getattr(h, "_distill_run_log", False)]:
-            logging.getLogger("distill").removeHandler(h)
-            h.close()
+        rundir.detach_log_file()
+    assert not [h for h in logging.getLogger("distill").handlers if getattr(h, "_distill_run_log", False)]
+
+
+def test_the_cli_closes_the_run_log_when_its_stage_returns(tmp_path, monkeypatch):
+    # A process that calls the CLI and goes on (a notebook, a scheduler) keeps no run log open, and what it
+    # logs afterwards stays out of the finished run's log.
+    from distill import cli
+
+    def stage(cfg):
+        rundir.attach_log_file(cfg.run_dir)
+        logging.getLogger("distill.test_run_log").info("record of the stage")
+
+    monkeypatch.setattr(cli, "resolve_stage", lambda name: stage)
+    (tmp_path / "run").mkdir()
+    assert cli.main(["train", "-c", CONFIG, f"run.dir={tmp_path / 'run'}"]) == 0
+    assert not [h for h in logging.getLogger("distill").handlers if getattr(h, "_distill_run_log", False)]
+    logging.getLogger("distill.test_run_log").info("record after the stage")
+    text = (tmp_path / "run" / "distill.log").read_text()
+    assert "record of the stage" in text and "record after the stage" not in text
