@@ -204,3 +204,11 @@ def test_utf8_with_bom_reads(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "caf\u00e9"}).encode() + b"\n")
     assert load_prompts(str(path)).records[0].messages[0]["content"] == "caf\u00e9"
+
+
+def test_a_missing_relative_source_names_the_working_directory(tmp_path, monkeypatch):
+    # A shipped config (data/prompts/...) run from outside the repository: the message says where it looked.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError) as e:
+        load_prompts("data/prompts/tiny.jsonl", key="data.source")
+    assert "data.source" in str(e.value) and f"working directory {tmp_path}" in str(e.value)

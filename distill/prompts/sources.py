@@ -296,8 +296,12 @@ def _raw_records(source: str, key: str) -> Iterator[tuple[str, Any]]:
         return
     path = Path(source).expanduser()
     if not path.exists():
+        # Relative paths are the working directory's, as in every config key: a shipped config run from
+        # elsewhere needs the repository as its working directory.
+        where = "" if path.is_absolute() else f" (looked in the working directory {Path.cwd()})"
         raise InputError(
-            f"{key}: prompt source '{source}' not found. Give an existing file/folder or 'sharegpt'."
+            f"{key}: prompt source '{source}' not found{where}. Give an existing file/folder, an absolute "
+            "path, or 'sharegpt'."
         )
     if path.is_dir():
         yield from _read_datasets_folder(path)
