@@ -122,6 +122,54 @@ def test_retained_memory_goes_back_once_every_n_optimizer_steps():
     assert trimmed_at == [2, 4]
 
 
+def test_a_step_that_ends_over_the_memory_budget_trims_at_once():
+    """Between the periodic trims, a step that ends with more resident than the budget trims right away (once
+    per optimizer step); under the budget only the periodic trims run. The budget is shared by a node's ranks."""
+    from types import SimpleNamespace
+
+    from distill.train.callbacks import TrimFreedMemory
+
+    gib = 1024**3
+    resident = {1: 3, 2: 13, 3: 13, 4: 5, 5: 11, 6: 9, 7: 7}  # GiB at the end of each step
+    trimmed_at: list[int] = []
+    trainer = SimpleNamespace(global_step=0, num_devices=2)
+    cb = TrimFreedMemory(
+        5,
+        budget_bytes=20 * gib,
+        trim=lambda: trimmed_at.append(trainer.global_step),
+        resident=lambda: resident[trainer.global_step] * gib,
+    )
+    cb.setup(trainer, None, "fit")  # 2 ranks on the node: 10 GiB each
+    cb.setup(trainer, None, "fit")  # a second setup does not halve it again
+    for step in [1, 2, 2, 3, 4, 5, 6, 7]:
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert trimmed_at == [2, 3, 5]  # 2, 3 over budget; 5 periodic (and 11 GiB); 6 under budget
+    assert cb.over_budget == 2
+
+
+def test_memory_limit_is_the_lower_of_machine_and_cgroup(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  1 kB\n")
+    cgroup = tmp_path / "memory.max"
+    cgroup.write_text("max\n")
+    assert malloc.memory_limit_bytes(meminfo, cgroup) == 24000000 * 1024
+    cgroup.write_text("8589934592\n")  # a container limited to 8 GiB
+    assert malloc.memory_limit_bytes(meminfo, cgroup) == 8 * 1024**3
+    assert malloc.memory_limit_bytes(tmp_path / "none", tmp_path / "none") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="linux only")
+def test_resident_bytes_sees_a_touched_block():
+    import torch
+
+    before = malloc.resident_bytes()
+    block = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, touched
+    during = malloc.resident_bytes()
+    del block
+    assert before is not None and during is not None and during - before > 200 * 2**20
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_a_trim_inside_the_block_hands_the_memory_back_and_keeps_the_setting():
     import torch

@@ -70,7 +70,13 @@ class EvalConfig:
         8, "Prompts decoded concurrently (vLLM max_num_seqs; the batch of the measurement).", ge=1
     )
     tensor_parallel_size: int = opt(1, "vLLM tensor parallelism (GPUs) for target and draft.", ge=1)
-    enforce_eager: bool = opt(True, "vLLM enforce_eager: no graph compile (faster start-up; on CPU no loss).")
+    enforce_eager: bool = opt(
+        False,
+        "vLLM enforce_eager. false (vLLM's own default, what `vllm serve` runs): compiled decoding, torch.compile "
+        "on CPU (needs a C++ compiler) and CUDA graphs on GPU; on the 2-core CPU the target decoded 1.19x faster "
+        "than eager, so eager speedups overstate a served draft's (1.25x eager vs 1.19x compiled, BENCHMARKS.md). "
+        "true: no compile, an engine starts about a minute sooner.",
+    )
     cpu_reserved_cores: int = opt(
         0,
         "VLLM_CPU_NUM_OF_RESERVED_CPU: cores vLLM keeps free on CPU (its default 1 halves a 2-core machine).",

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from distill.errors import Interrupted
 
 log = logging.getLogger("distill.train")
+GIB = 1024**3
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -129,23 +130,59 @@ def _fsync(path: Path) -> None:
 class TrimFreedMemory(Callback):
     """While `train.retain_freed_memory` keeps freed memory in the process, hand it back every `every_n_steps`
     optimizer steps (`distill.utils.malloc.trim_freed_memory`): the retained memory fragments and would grow
-    without bound; trimming costs the next step its page faults, once per `every_n_steps` steps."""
+    without bound; trimming costs the next step its page faults, once per `every_n_steps` steps. A step that
+    ends with more than `budget_bytes` resident trims at once, so the retained memory can never run the
+    machine out of memory however far fragmentation has spread the heap (`malloc.RETAINED_MEMORY_SHARE`)."""
 
-    def __init__(self, every_n_steps: int, trim: Callable[[], object] | None = None) -> None:
-        from distill.utils.malloc import trim_freed_memory
+    def __init__(
+        self,
+        every_n_steps: int,
+        budget_bytes: int | None = None,
+        trim: Callable[[], object] | None = None,
+        resident: Callable[[], int | None] | None = None,
+    ) -> None:
+        from distill.utils.malloc import resident_bytes, trim_freed_memory
 
         self.every_n_steps = every_n_steps
+        self.budget_bytes = budget_bytes
         self.trim = trim or trim_freed_memory
+        self.resident = resident or resident_bytes
         self.last_trimmed = -1
+        self.over_budget = 0  # trims the budget forced, for the end-of-training log line
+
+        self.rank_budget_bytes = budget_bytes
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # The processes of one node share its memory: each rank gets its share of the budget.
+        if self.budget_bytes is not None:
+            self.rank_budget_bytes = self.budget_bytes // max(1, int(getattr(trainer, "num_devices", 1) or 1))
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
         # once per optimizer step: with gradient accumulation several batches end at the same global step
-        if step and step % self.every_n_steps == 0 and step != self.last_trimmed:
+        if not step or step == self.last_trimmed:
+            return
+        due = step % self.every_n_steps == 0
+        if not due and self.rank_budget_bytes is not None:
+            rss = self.resident()
+            if rss is not None and rss > self.rank_budget_bytes:
+                due = True
+                self.over_budget += 1
+                log.debug("step %d: %.1f GiB resident > budget %.1f GiB: trimming now", step, rss / GIB,
+                          self.rank_budget_bytes / GIB)  # fmt: skip
+        if due:
             self.last_trimmed = step
             self.trim()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.over_budget:
+            log.info(
+                "retained memory reached its budget (%.1f GiB) %d times; each time it was handed back early",
+                (self.rank_budget_bytes or 0) / GIB,
+                self.over_budget,
+            )
 
 
 class LogProgress(Callback):

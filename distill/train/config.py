@@ -65,7 +65,8 @@ class TrainConfig:
         "(mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD): the vocabulary-sized logits a step allocates and frees "
         "then reuse the same pages instead of page-faulting fresh ones (1.3x faster CPU steps measured, "
         "BENCHMARKS.md section 7). The cost is resident memory (about 4.5 GB more at the peak for the shipped "
-        "parallel draft): it is handed back every 20 steps and when training ends. false = glibc's default.",
+        "parallel draft): it is handed back every 20 steps, at once when the process passes half the machine's (or "
+        "its cgroup's) memory, and when training ends. false = glibc's default.",
         run_only=True,
     )
     max_seq_len: int = opt(512, "Sequences are cut to this many tokens.", ge=8)

@@ -329,7 +329,7 @@ def build_trainer(cfg: Config, plan: Plan, stop: StopFlag, memory_retained: bool
     if memory_retained:
         from distill.utils import malloc
 
-        callbacks.append(TrimFreedMemory(malloc.TRIM_EVERY_STEPS))
+        callbacks.append(TrimFreedMemory(malloc.TRIM_EVERY_STEPS, malloc.retained_memory_budget()))
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
