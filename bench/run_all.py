@@ -42,6 +42,14 @@ FULL_RUNS: dict[str, dict[str, list[str]]] = {
     },
     "bench_eval": {
         "": [],
+        # Compiled (vLLM's default, eval.enforce_eager=false) vs eager decoding, the shipped draft, side by side
+        # with no_spec in each mode.
+        "t0-eager": ["--tag", "eager", "--phase", "t0", "eval.k=[2]", "eval.num_prompts=32", "eval.repeats=2",
+                     "eval.ngram=false", "eval.analytic_prompts=0",
+                     "eval.drafts=[{name: distilled, model: '${run.dir}/draft'}]", "eval.enforce_eager=true"],
+        "t0-compiled": ["--tag", "compiled", "--phase", "t0", "eval.k=[2]", "eval.num_prompts=32",
+                        "eval.repeats=2", "eval.ngram=false", "eval.analytic_prompts=0",
+                        "eval.drafts=[{name: distilled, model: '${run.dir}/draft'}]", "eval.enforce_eager=false"],
         # The learning-curve study: the shipped recipe trained 900 steps instead of 300 (its own run folder,
         # same data config), beside the shipped 300-step draft that the default run above trained, 1 pass.
         "t0-900": ["--phase", "t0", "--tag", "900", "run.dir=bench/out/work/pard-900", "train.max_steps=900",
