@@ -122,6 +122,12 @@ def test_retained_memory_goes_back_once_every_n_optimizer_steps():
     assert trimmed_at == [2, 4]
 
 
+def _drive(cb, trainer, steps):
+    for step in steps:
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+
+
 def test_a_step_that_ends_over_the_memory_budget_trims_at_once():
     """Between the periodic trims, a step that ends with more resident than the budget trims right away (once
     per optimizer step); under the budget only the periodic trims run. The budget is shared by a node's ranks."""
@@ -130,22 +136,44 @@ def test_a_step_that_ends_over_the_memory_budget_trims_at_once():
     from distill.train.callbacks import TrimFreedMemory
 
     gib = 1024**3
-    resident = {1: 3, 2: 13, 3: 13, 4: 5, 5: 11, 6: 9, 7: 7}  # GiB at the end of each step
+    resident = {1: 3, 2: 5, 3: 13, 4: 5, 5: 3, 6: 9, 7: 11, 8: 14, 9: 7, 10: 9, 11: 12}  # GiB after each step
     trimmed_at: list[int] = []
+    released: list[int] = []
     trainer = SimpleNamespace(global_step=0, num_devices=2)
     cb = TrimFreedMemory(
-        5,
+        8,
         budget_bytes=20 * gib,
         trim=lambda: trimmed_at.append(trainer.global_step),
         resident=lambda: resident[trainer.global_step] * gib,
+        release=lambda: released.append(trainer.global_step),
     )
     cb.setup(trainer, None, "fit")  # 2 ranks on the node: 10 GiB each
     cb.setup(trainer, None, "fit")  # a second setup does not halve it again
-    for step in [1, 2, 2, 3, 4, 5, 6, 7]:
-        trainer.global_step = step
-        cb.on_train_batch_end(trainer, None, None, None, 0)
-    assert trimmed_at == [2, 3, 5]  # 2, 3 over budget; 5 periodic (and 11 GiB); 6 under budget
-    assert cb.over_budget == 2
+    _drive(cb, trainer, [1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    # 3 and 7 over budget (4 steps apart: retaining still pays), 8 periodic, 11 over budget 3 steps after it
+    assert trimmed_at == [3, 7, 8, 11] and cb.over_budget == 3 and not released
+
+
+def test_retaining_stops_when_the_budget_forces_trims_close_together():
+    """Two budget trims within every_n_steps // 4 steps of the last hand-back: every step would pay the page
+    faults, so glibc's defaults come back (once) and the callback does nothing more."""
+    from types import SimpleNamespace
+
+    from distill.train.callbacks import TrimFreedMemory
+
+    gib = 1024**3
+    trimmed_at: list[int] = []
+    released: list[int] = []
+    trainer = SimpleNamespace(global_step=0, num_devices=1)
+    cb = TrimFreedMemory(
+        20,
+        budget_bytes=10 * gib,
+        trim=lambda: trimmed_at.append(trainer.global_step),
+        resident=lambda: (12 if trainer.global_step in (30, 33) else 4) * gib,
+        release=lambda: released.append(trainer.global_step),
+    )
+    _drive(cb, trainer, range(1, 61))
+    assert trimmed_at == [20, 30] and released == [33] and cb.released_at == 33
 
 
 def test_memory_limit_is_the_lower_of_machine_and_cgroup(tmp_path):

@@ -130,9 +130,14 @@ def _fsync(path: Path) -> None:
 class TrimFreedMemory(Callback):
     """While `train.retain_freed_memory` keeps freed memory in the process, hand it back every `every_n_steps`
     optimizer steps (`distill.utils.malloc.trim_freed_memory`): the retained memory fragments and would grow
-    without bound; trimming costs the next step its page faults, once per `every_n_steps` steps. A step that
-    ends with more than `budget_bytes` resident trims at once, so the retained memory can never run the
-    machine out of memory however far fragmentation has spread the heap (`malloc.RETAINED_MEMORY_SHARE`)."""
+    without bound; trimming costs the next step its page faults, once per `every_n_steps` steps.
+
+    A step that ends with more than `budget_bytes` resident trims at once, so the retained memory never runs the
+    machine out of memory (`malloc.RETAINED_MEMORY_SHARE`). Fragmentation spreads each step's blocks over a
+    larger heap as a run goes on, and the budget then forces trims ever more often; once two come within
+    `every_n_steps // 4` steps of each other, every step pays the page faults that retaining was meant to save,
+    so the callback stops retaining (`release`: glibc's defaults) for the rest of the run. A 900-step parallel
+    draft run reached that point near step 450."""
 
     def __init__(
         self,
@@ -140,39 +145,53 @@ class TrimFreedMemory(Callback):
         budget_bytes: int | None = None,
         trim: Callable[[], object] | None = None,
         resident: Callable[[], int | None] | None = None,
+        release: Callable[[], object] | None = None,
     ) -> None:
-        from distill.utils.malloc import resident_bytes, trim_freed_memory
+        from distill.utils.malloc import release_freed_memory, resident_bytes, trim_freed_memory
 
         self.every_n_steps = every_n_steps
         self.budget_bytes = budget_bytes
+        self.rank_budget_bytes = budget_bytes
         self.trim = trim or trim_freed_memory
         self.resident = resident or resident_bytes
+        self.release = release or release_freed_memory
         self.last_trimmed = -1
-        self.over_budget = 0  # trims the budget forced, for the end-of-training log line
-
-        self.rank_budget_bytes = budget_bytes
+        self.over_budget = 0  # trims the budget forced, for the log line when training ends
+        self.released_at: int | None = None  # the step retaining stopped at
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # The processes of one node share its memory: each rank gets its share of the budget.
         if self.budget_bytes is not None:
             self.rank_budget_bytes = self.budget_bytes // max(1, int(getattr(trainer, "num_devices", 1) or 1))
 
+    def _over_budget(self) -> bool:
+        if self.rank_budget_bytes is None:
+            return False
+        rss = self.resident()
+        return rss is not None and rss > self.rank_budget_bytes
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
         # once per optimizer step: with gradient accumulation several batches end at the same global step
-        if not step or step == self.last_trimmed:
+        if not step or step == self.last_trimmed or self.released_at is not None:
             return
-        due = step % self.every_n_steps == 0
-        if not due and self.rank_budget_bytes is not None:
-            rss = self.resident()
-            if rss is not None and rss > self.rank_budget_bytes:
-                due = True
-                self.over_budget += 1
-                log.debug("step %d: %.1f GiB resident > budget %.1f GiB: trimming now", step, rss / GIB,
-                          self.rank_budget_bytes / GIB)  # fmt: skip
-        if due:
+        if step % self.every_n_steps == 0:
+            self.last_trimmed = step
+            self.trim()
+        elif self._over_budget():
+            self.over_budget += 1
+            if step - self.last_trimmed <= max(1, self.every_n_steps // 4):
+                self.released_at = step
+                self.release()
+                log.info(
+                    "step %d: retained memory passed its budget (%.1f GiB) %d steps after the last hand-back; "
+                    "keeping freed memory no longer pays, so glibc's defaults are back for the rest of training",
+                    step, (self.rank_budget_bytes or 0) / GIB, step - self.last_trimmed,
+                )  # fmt: skip
+                return
+            log.debug("step %d: resident memory over the budget: trimming now", step)
             self.last_trimmed = step
             self.trim()
 

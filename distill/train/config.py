@@ -66,7 +66,8 @@ class TrainConfig:
         "then reuse the same pages instead of page-faulting fresh ones (1.3x faster CPU steps measured, "
         "BENCHMARKS.md section 7). The cost is resident memory (about 4.5 GB more at the peak for the shipped "
         "parallel draft): it is handed back every 20 steps, at once when the process passes half the machine's (or "
-        "its cgroup's) memory, and when training ends. false = glibc's default.",
+        "its cgroup's) memory, and when training ends; when that budget forces hand-backs a few steps apart "
+        "(a long run's fragmented heap) training goes back to glibc's default. false = glibc's default.",
         run_only=True,
     )
     max_seq_len: int = opt(512, "Sequences are cut to this many tokens.", ge=8)
