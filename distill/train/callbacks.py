@@ -136,8 +136,8 @@ class TrimFreedMemory(Callback):
     machine out of memory (`malloc.RETAINED_MEMORY_SHARE`). Fragmentation spreads each step's blocks over a
     larger heap as a run goes on, and the budget then forces trims ever more often; once two come within
     `every_n_steps // 4` steps of each other, every step pays the page faults that retaining was meant to save,
-    so the callback stops retaining (`release`: glibc's defaults) for the rest of the run. A 900-step parallel
-    draft run reached that point near step 450."""
+    so the callback stops retaining (`release`: glibc's defaults) for the rest of the run. The parallel draft's
+    training reached that point 100-120 steps after its process started (BENCHMARKS.md, section 7)."""
 
     def __init__(
         self,
