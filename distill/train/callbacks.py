@@ -136,8 +136,9 @@ class TrimFreedMemory(Callback):
     machine out of memory (`malloc.RETAINED_MEMORY_SHARE`). Fragmentation spreads each step's blocks over a
     larger heap as a run goes on, and the budget then forces trims ever more often; once two come within
     `every_n_steps // 4` steps of each other, every step pays the page faults that retaining was meant to save,
-    so the callback stops retaining (`release`: glibc's defaults) for the rest of the run. The parallel draft's
-    training reached that point 100-120 steps after its process started (BENCHMARKS.md, section 7)."""
+    so the callback stops retaining (`release`: glibc's defaults) for the rest of the run and only goes on
+    handing back every `every_n_steps` steps. The parallel draft's training reached that point 100-120 steps
+    after its process started (BENCHMARKS.md, section 7)."""
 
     def __init__(
         self,
@@ -175,12 +176,15 @@ class TrimFreedMemory(Callback):
     ) -> None:
         step = trainer.global_step
         # once per optimizer step: with gradient accumulation several batches end at the same global step
-        if not step or step == self.last_trimmed or self.released_at is not None:
+        if not step or step == self.last_trimmed:
             return
+        # The periodic hand-back goes on after retaining stopped: the heap the retaining phase fragmented stays,
+        # and the small blocks glibc still serves from it touch its free pages again and keep them (a run that
+        # stopped trimming there sat at 12-13 GB resident; a process that never retained peaked at 7.3 GB).
         if step % self.every_n_steps == 0:
             self.last_trimmed = step
             self.trim()
-        elif self._over_budget():
+        elif self.released_at is None and self._over_budget():
             self.over_budget += 1
             if step - self.last_trimmed <= max(1, self.every_n_steps // 4):
                 self.released_at = step
