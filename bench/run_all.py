@@ -33,6 +33,8 @@ QUICK_FALLBACK = {"bench_data": ["--skip-vllm", "--prompts", "16", "--max-new-to
 # Full runs that are not a bench's own defaults, each variant with its own log and `<stem>-<variant>` files:
 # bench_train's defaults are a tiny target built in code (right for its acceptance comparison, which trains
 # three drafts to a plateau); its speed figures are wanted on the embedded default.
+_MODE_STUDY = ["--phase", "t0", "eval.k=[2]", "eval.num_prompts=32", "eval.repeats=2", "eval.ngram=false",
+               "eval.analytic_prompts=0", "eval.drafts=[{name: distilled, model: '${run.dir}/draft'}]"]  # fmt: skip
 FULL_RUNS: dict[str, dict[str, list[str]]] = {
     "bench_train": {
         "speed": ["--only", "speed", "--target", "smollm2-135m-instruct", "--draft-layers", "2",
@@ -44,12 +46,8 @@ FULL_RUNS: dict[str, dict[str, list[str]]] = {
         "": [],
         # Compiled (vLLM's default, eval.enforce_eager=false) vs eager decoding, the shipped draft, side by side
         # with no_spec in each mode.
-        "t0-eager": ["--tag", "eager", "--phase", "t0", "eval.k=[2]", "eval.num_prompts=32", "eval.repeats=2",
-                     "eval.ngram=false", "eval.analytic_prompts=0",
-                     "eval.drafts=[{name: distilled, model: '${run.dir}/draft'}]", "eval.enforce_eager=true"],
-        "t0-compiled": ["--tag", "compiled", "--phase", "t0", "eval.k=[2]", "eval.num_prompts=32",
-                        "eval.repeats=2", "eval.ngram=false", "eval.analytic_prompts=0",
-                        "eval.drafts=[{name: distilled, model: '${run.dir}/draft'}]", "eval.enforce_eager=false"],
+        "t0-eager": ["--tag", "eager", *_MODE_STUDY, "eval.enforce_eager=true"],
+        "t0-compiled": ["--tag", "compiled", *_MODE_STUDY, "eval.enforce_eager=false"],
         # The learning-curve study: the shipped recipe trained 900 steps instead of 300 (its own run folder,
         # same data config), beside the shipped 300-step draft that the default run above trained, 1 pass.
         "t0-900": ["--phase", "t0", "--tag", "900", "run.dir=bench/out/work/pard-900", "train.max_steps=900",

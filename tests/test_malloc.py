@@ -106,6 +106,12 @@ def test_a_free_heap_top_larger_than_2_gib_is_kept_too():
     assert retained - after > 2000, (retained, after)
 
 
+def _drive(cb, trainer, steps):
+    for step in steps:
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+
+
 def test_retained_memory_goes_back_once_every_n_optimizer_steps():
     """TrimFreedMemory: a trim at every n-th optimizer step, once even when gradient accumulation ends several
     batches at the same global step, none at step 0."""
@@ -116,16 +122,8 @@ def test_retained_memory_goes_back_once_every_n_optimizer_steps():
     trimmed_at: list[int] = []
     trainer = SimpleNamespace(global_step=0)
     cb = TrimFreedMemory(2, trim=lambda: trimmed_at.append(trainer.global_step))
-    for step in [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5]:
-        trainer.global_step = step
-        cb.on_train_batch_end(trainer, None, None, None, 0)
+    _drive(cb, trainer, [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5])
     assert trimmed_at == [2, 4]
-
-
-def _drive(cb, trainer, steps):
-    for step in steps:
-        trainer.global_step = step
-        cb.on_train_batch_end(trainer, None, None, None, 0)
 
 
 def test_a_step_that_ends_over_the_memory_budget_trims_at_once():
