@@ -26,7 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "smollm2-sharegpt.yaml")
 
 
-def run_stage(run_dir: Path, engine: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_stage(
+    run_dir: Path, engine: str, args: argparse.Namespace, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     from distill.cli import main
 
     overrides = [
@@ -39,6 +41,7 @@ def run_stage(run_dir: Path, engine: str, args: argparse.Namespace) -> dict[str,
         "data.temperature=0",
         f"target.dtype={args.dtype}",
         "data.logits.top_k=0",  # generation speed alone; the cache is measured separately below
+        *extra,
     ]
     t0 = time.perf_counter()
     rc = main(["data", "-c", CONFIG, *overrides])
@@ -56,6 +59,37 @@ def run_stage(run_dir: Path, engine: str, args: argparse.Namespace) -> dict[str,
         "tokens_per_s": manifest["generation_tokens_per_s"],
         "wall_s_including_startup": round(wall, 2),
     }
+
+
+def eager_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM generation eager vs compiled (`data.vllm_enforce_eager`), alternated `--repeats` times, fresh run
+    folders each time so every pass generates all prompts; medians and min-max of tokens/s and start-up."""
+    import statistics
+
+    passes: dict[str, list[dict[str, Any]]] = {"eager": [], "compiled": []}
+    for r in range(args.repeats):
+        for mode, flag in (("eager", "true"), ("compiled", "false")):
+            res = run_stage(work / f"{mode}-{r}", "vllm", args, (f"data.vllm_enforce_eager={flag}",))
+            res["startup_s"] = round(res["wall_s_including_startup"] - res["generation_s"], 1)
+            passes[mode].append(res)
+            print(
+                f"{mode} pass {r}: {res['tokens_per_s']} tokens/s, start-up {res['startup_s']} s", flush=True
+            )
+    summary: dict[str, Any] = {"passes": passes}
+    for mode, rows in passes.items():
+        tps = [float(x["tokens_per_s"]) for x in rows]
+        summary[mode] = {
+            "tokens_per_s_median": round(statistics.median(tps), 1),
+            "tokens_per_s_min": round(min(tps), 1),
+            "tokens_per_s_max": round(max(tps), 1),
+            "startup_s_median": round(statistics.median(float(x["startup_s"]) for x in rows), 1),
+            "wall_s_median": round(statistics.median(float(x["wall_s_including_startup"]) for x in rows), 1),
+        }
+    summary["compiled_over_eager"] = round(
+        summary["compiled"]["tokens_per_s_median"] / summary["eager"]["tokens_per_s_median"], 3
+    )
+    summary["identical_responses"] = round(agreement(work / "compiled-0", work / "eager-0"), 3)
+    return summary
 
 
 def agreement(a: Path, b: Path) -> float:
@@ -125,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codecs", default="zlib,lzma")
     p.add_argument("--cache-rows", type=int, default=32, help="sequences used for the cache-size measurement")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument(
+        "--eager-study",
+        action="store_true",
+        help="only compare vLLM generation eager vs compiled (data.vllm_enforce_eager), --repeats times each",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="passes per mode in --eager-study")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--workdir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
     args = p.parse_args(argv)
@@ -138,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": args.dtype,
             "host_cpus": os.cpu_count(),
         }
+        if args.eager_study:
+            results["eager_study"] = eager_study(work, args)
+            return write_results(results, args.out)
         hf = run_stage(work / "hf", "hf", args)
         results["hf"] = hf
         print(f"hf:   {hf['tokens_per_s']} tokens/s ({hf['response_tokens']} tokens)", flush=True)
@@ -154,11 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         ks = [int(k) for k in args.ks.split(",")]
         results["cache"] = cache_sizes(work / "hf", ks, args.codecs.split(","), args.cache_rows)
         results["distillkit_reference_bytes_per_token_k128"] = 300
+    return write_results(results, args.out)
+
+
+def write_results(results: dict[str, Any], out: Path | None) -> int:
     text = json.dumps(results, indent=2)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
     return 0
 
 

@@ -36,6 +36,13 @@ QUICK_FALLBACK = {"bench_data": ["--skip-vllm", "--prompts", "16", "--max-new-to
 _MODE_STUDY = ["--phase", "t0", "eval.k=[2]", "eval.num_prompts=32", "eval.repeats=2", "eval.ngram=false",
                "eval.analytic_prompts=0", "eval.drafts=[{name: distilled, model: '${run.dir}/draft'}]"]  # fmt: skip
 FULL_RUNS: dict[str, dict[str, list[str]]] = {
+    "bench_data": {
+        "": [],
+        # vLLM generation compiled (data.vllm_enforce_eager=false, the default) vs eager at the demo's batch
+        # and dtype, 2 alternated passes per mode.
+        "eager-study": ["--eager-study", "--prompts", "256", "--batch-size", "64", "--dtype", "bfloat16",
+                        "--repeats", "2"],
+    },
     "bench_train": {
         "speed": ["--only", "speed", "--target", "smollm2-135m-instruct", "--draft-layers", "2",
                   "--seq-len", "384", "--batch-size", "16", "--precision", "bf16-mixed", "--steps", "10",

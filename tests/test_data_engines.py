@@ -80,6 +80,17 @@ def test_vllm_job_and_env(tmp_path):
         "VLLM_CPU_KVCACHE_SPACE": "2",
     }
     assert vllm_env(cfg.data, on_gpu=True) == {}
+    compiled = load_config(CONFIG, ["data.vllm_enforce_eager=false"])
+    job = vllm_job(
+        model_dir=tmp_path,
+        dtype="float32",
+        trust_remote_code=False,
+        cfg=compiled.data,
+        run_seed=0,
+        chunks=[],
+        on_gpu=False,
+    )
+    assert job["enforce_eager"] is False
 
 
 def test_data_hash_ignores_run_only_keys():
@@ -91,6 +102,7 @@ def test_data_hash_ignores_run_only_keys():
         "data.worker_timeout_s=5",
         "data.logits.batch_size=2",
         "data.tensor_parallel_size=2",
+        "data.vllm_enforce_eager=false",
     ]
     b = load_config(CONFIG, same)
     assert data_hash(a) != data_hash(b)  # num_shards changes the layout

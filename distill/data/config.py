@@ -81,6 +81,13 @@ class DataConfig:
     vllm_gpu_memory_utilization: float = opt(
         0.85, "Share of GPU memory vLLM may use (GPU only).", gt=0.0, le=1.0, run_only=True
     )
+    vllm_enforce_eager: bool = opt(
+        False,
+        "vLLM enforce_eager for generation. false (vLLM's default): compiled decoding, torch.compile on CPU, "
+        "CUDA graphs on GPU; on the 2-core CPU 1.11x the eager rate but ~50 s more start-up, a gain from about "
+        "250k generated tokens on (BENCHMARKS.md section 6). true: eager, for small or one-off builds.",
+        run_only=True,
+    )
     worker_timeout_s: float = opt(
         172800.0,
         "Stop the vLLM generation worker after this many seconds (the work done so far is kept).",

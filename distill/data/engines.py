@@ -168,7 +168,7 @@ def vllm_job(
         "data_parallel_size": cfg.data_parallel_size,
         "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization if on_gpu else None,
         "trust_remote_code": trust_remote_code,
-        "enforce_eager": not on_gpu,
+        "enforce_eager": cfg.vllm_enforce_eager,
         "sampling": {
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
