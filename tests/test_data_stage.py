@@ -472,3 +472,21 @@ def test_manifest_counts_source_records_and_wall_time_over_resumes(tmp_path, tin
     assert train["prompts_in_split"] == s["by_split"]["train"] >= 10 and train["prompts_loaded"] == 10
     assert m["splits"]["val"]["prompts_in_split"] == s["by_split"]["val"]
     assert m["wall_s_total"] >= m["wall_s_last_invocation"] + 1.5
+
+
+def test_compiled_vllm_generation_without_a_cpp_compiler_stops_before_writing(
+    base, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    monkeypatch.setattr("distill.utils.subproc.cpp_compiler", lambda: None)
+    assert run_data([*base, "data.engine=vllm", "data.vllm_enforce_eager=false"]) == 2
+    err = capsys.readouterr().err
+    assert "data.vllm_enforce_eager" in err and "C++ compiler" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "data").exists()
+
+
+def test_cpp_compiler_is_found_on_this_machine():
+    """The check asks inductor itself; the test machines have g++ (the eval's compiled decoding uses it)."""
+    from distill.utils.subproc import cpp_compiler
+
+    assert cpp_compiler()

@@ -523,3 +523,15 @@ def test_num_prompts_counts_evaluated_prompts_not_prompts_read():
     assert [len(p) for p in prompts] == [3, 2, 4] and skipped == 2
     prompts, skipped = tokenize_prompts(records, WordTokenizer(), max_prompt_tokens=5)
     assert len(prompts) == 4 and skipped == 2
+
+
+def test_compiled_eval_without_a_cpp_compiler_stops_before_writing(
+    cfg_args, fake_worker, monkeypatch, capsys
+):
+    """eval.enforce_eager=false on CPU needs inductor's C++ compiler: one message naming the key, exit 2."""
+    monkeypatch.setattr("distill.utils.subproc.cpp_compiler", lambda: None)
+    assert main(["eval", *cfg_args, "eval.enforce_eager=false"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.enforce_eager" in err and "C++ compiler" in err and "Traceback" not in err
+    assert not fake_worker and not (run_dir(cfg_args) / "eval").exists()
+    assert main(["eval", *cfg_args, "eval.enforce_eager=true", "eval.cpu_reserved_cores=0"]) == 0

@@ -90,10 +90,16 @@ def choose_engine(d: DataConfig) -> str:
         return "dataset"
     if d.engine == "vllm":
         require_vllm("data.engine")
-        return "vllm"
-    if d.engine == "auto":
-        return "vllm" if vllm_available() else "hf"
-    return "hf"
+        engine = "vllm"
+    elif d.engine == "auto":
+        engine = "vllm" if vllm_available() else "hf"
+    else:
+        engine = "hf"
+    if engine == "vllm" and not d.vllm_enforce_eager and not _on_gpu():
+        from distill.utils.subproc import require_cpp_compiler
+
+        require_cpp_compiler("data.vllm_enforce_eager")
+    return engine
 
 
 def check_lengths(cfg: Config, target_dir: Path) -> None:

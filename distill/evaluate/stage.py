@@ -250,9 +250,14 @@ def preflight(cfg: Config) -> Plan:
             if x is not None
         }
     )
+    device = _device()
+    if engine == "vllm" and device == "cpu" and not cfg.eval.enforce_eager:
+        from distill.utils.subproc import require_cpp_compiler
+
+        require_cpp_compiler("eval.enforce_eager")
     return Plan(
         engine=engine,
-        device=_device(),
+        device=device,
         dtype=cfg.eval.dtype or cfg.target.dtype,
         target_dir=target_dir,
         target_config=target_config,

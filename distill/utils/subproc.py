@@ -33,6 +33,28 @@ def require_vllm(key: str) -> None:
         )
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile's inductor would use on this machine (its own search: `CXX`-style config,
+    then g++/clang++), or None when it finds none."""
+    try:
+        from torch._inductor import cpp_builder
+
+        return str(cpp_builder.get_cpp_compiler())
+    except Exception:  # inductor raises its own InvalidCxxCompiler, or torch lacks the module
+        return None
+
+
+def require_cpp_compiler(key: str) -> None:
+    """Compiled vLLM decoding on CPU builds kernels with a C++ compiler; without one it fails deep inside the
+    engine's start-up. Say so before any work starts."""
+    if cpp_compiler() is None:
+        raise InputError(
+            f"{key}: false compiles the model with torch.compile, which on CPU needs a C++ compiler, and none "
+            f"was found (g++ or clang++ on PATH). Install one (e.g. `apt-get install g++`) or set {key}=true "
+            "to decode eager."
+        )
+
+
 def tail(path: Path, n_lines: int = 40) -> str:
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
