@@ -212,3 +212,48 @@ def test_a_trim_inside_the_block_hands_the_memory_back_and_keeps_the_setting():
         kept_again = _rss_mib()
     assert retained - trimmed > 400, (retained, trimmed)
     assert kept_again - trimmed > 400, (trimmed, kept_again)  # still retaining after the trim
+
+
+def test_a_machine_short_of_memory_trims_at_once_under_the_budget():
+    """Retained memory gives way to other processes: a step that ends with less than reserve_bytes available
+    trims at once even with resident memory under the budget; without a reserve only the budget counts."""
+    from types import SimpleNamespace
+
+    from distill.train.callbacks import TrimFreedMemory
+
+    gib = 1024**3
+    available = {1: 9, 2: 3, 3: 9, 4: 9, 5: 9, 6: 2, 7: 9, 8: 9, 9: 9, 10: 9}  # GiB after each step
+    trainer = SimpleNamespace(global_step=0, num_devices=1)
+    for reserve, expected in ((4 * gib, [2, 6, 10]), (None, [10])):
+        trimmed_at: list[int] = []
+        cb = TrimFreedMemory(
+            10,
+            budget_bytes=20 * gib,
+            trim=lambda: trimmed_at.append(trainer.global_step),  # noqa: B023 - called inside the loop body
+            resident=lambda: 5 * gib,
+            release=lambda: None,
+            reserve_bytes=reserve,
+            available=lambda: available[trainer.global_step] * gib,
+        )
+        _drive(cb, trainer, range(1, 11))
+        assert trimmed_at == expected, reserve
+
+
+def test_available_memory_is_the_lower_of_machine_and_cgroup_headroom(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   10000000 kB\n")
+    limit, current, stat = tmp_path / "memory.max", tmp_path / "memory.current", tmp_path / "memory.stat"
+    limit.write_text("max\n")
+    assert malloc.available_bytes(meminfo, limit, current, stat) == 10000000 * 1024
+    gib = 1024**3
+    limit.write_text(
+        f"{8 * gib}\n"
+    )  # a container limited to 8 GiB, using 7 of which 2 are inactive page cache
+    current.write_text(f"{7 * gib}\n")
+    stat.write_text(f"anon {5 * gib}\ninactive_file {2 * gib}\nactive_file 0\n")
+    assert malloc.available_bytes(meminfo, limit, current, stat) == 3 * gib
+    current.write_text(f"{9 * gib}\n")  # over the limit by the page cache: no headroom, not negative
+    stat.write_text("inactive_file 0\n")
+    assert malloc.available_bytes(meminfo, limit, current, stat) == 0
+    none = tmp_path / "none"
+    assert malloc.available_bytes(none, none, none, none) is None

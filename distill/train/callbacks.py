@@ -132,8 +132,9 @@ class TrimFreedMemory(Callback):
     optimizer steps (`distill.utils.malloc.trim_freed_memory`): the retained memory fragments and would grow
     without bound; trimming costs the next step its page faults, once per `every_n_steps` steps.
 
-    A step that ends with more than `budget_bytes` resident trims at once, so the retained memory never runs the
-    machine out of memory (`malloc.RETAINED_MEMORY_SHARE`). Fragmentation spreads each step's blocks over a
+    A step that ends with more than `budget_bytes` resident (`malloc.RETAINED_MEMORY_SHARE`), or with less than
+    `reserve_bytes` still available to the machine (`malloc.MEMORY_RESERVE_SHARE`: other processes need it),
+    trims at once, so the retained memory never runs the machine out of memory. Fragmentation spreads each step's blocks over a
     larger heap as a run goes on, and the budget then forces trims ever more often; once two come within
     `every_n_steps // 4` steps of each other, every step pays the page faults that retaining was meant to save,
     so the callback stops retaining (`release`: glibc's defaults) for the rest of the run and only goes on
@@ -147,8 +148,15 @@ class TrimFreedMemory(Callback):
         trim: Callable[[], object] | None = None,
         resident: Callable[[], int | None] | None = None,
         release: Callable[[], object] | None = None,
+        reserve_bytes: int | None = None,
+        available: Callable[[], int | None] | None = None,
     ) -> None:
-        from distill.utils.malloc import release_freed_memory, resident_bytes, trim_freed_memory
+        from distill.utils.malloc import (
+            available_bytes,
+            release_freed_memory,
+            resident_bytes,
+            trim_freed_memory,
+        )
 
         self.every_n_steps = every_n_steps
         self.budget_bytes = budget_bytes
@@ -156,6 +164,8 @@ class TrimFreedMemory(Callback):
         self.trim = trim or trim_freed_memory
         self.resident = resident or resident_bytes
         self.release = release or release_freed_memory
+        self.reserve_bytes = reserve_bytes
+        self.available = available or available_bytes
         self.last_trimmed = -1
         self.over_budget = 0  # trims the budget forced, for the log line when training ends
         self.released_at: int | None = None  # the step retaining stopped at
@@ -166,10 +176,15 @@ class TrimFreedMemory(Callback):
             self.rank_budget_bytes = self.budget_bytes // max(1, int(getattr(trainer, "num_devices", 1) or 1))
 
     def _over_budget(self) -> bool:
-        if self.rank_budget_bytes is None:
-            return False
-        rss = self.resident()
-        return rss is not None and rss > self.rank_budget_bytes
+        if self.rank_budget_bytes is not None:
+            rss = self.resident()
+            if rss is not None and rss > self.rank_budget_bytes:
+                return True
+        if self.reserve_bytes is not None:
+            free = self.available()
+            if free is not None and free < self.reserve_bytes:
+                return True
+        return False
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -190,12 +205,16 @@ class TrimFreedMemory(Callback):
                 self.released_at = step
                 self.release()
                 log.info(
-                    "step %d: retained memory passed its budget (%.1f GiB) %d steps after the last hand-back; "
-                    "keeping freed memory no longer pays, so glibc's defaults are back for the rest of training",
-                    step, (self.rank_budget_bytes or 0) / GIB, step - self.last_trimmed,
+                    "step %d: retained memory passed its budget (%.1f GiB resident, %.1f GiB kept available) %d "
+                    "steps after the last hand-back; keeping freed memory no longer pays, so glibc's defaults are "
+                    "back for the rest of training",
+                    step, (self.rank_budget_bytes or 0) / GIB, (self.reserve_bytes or 0) / GIB,
+                    step - self.last_trimmed,
                 )  # fmt: skip
                 return
-            log.debug("step %d: resident memory over the budget: trimming now", step)
+            log.debug(
+                "step %d: resident memory over the budget or the machine short of memory: trimming now", step
+            )
             self.last_trimmed = step
             self.trim()
 

@@ -329,7 +329,13 @@ def build_trainer(cfg: Config, plan: Plan, stop: StopFlag, memory_retained: bool
     if memory_retained:
         from distill.utils import malloc
 
-        callbacks.append(TrimFreedMemory(malloc.TRIM_EVERY_STEPS, malloc.retained_memory_budget()))
+        callbacks.append(
+            TrimFreedMemory(
+                malloc.TRIM_EVERY_STEPS,
+                malloc.retained_memory_budget(),
+                reserve_bytes=malloc.memory_reserve_bytes(),
+            )
+        )
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,

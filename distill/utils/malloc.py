@@ -44,7 +44,15 @@ TRIM_EVERY_STEPS = 20
 # machine's, or its cgroup's limit when lower): past it training trims at once. Fragmentation spreads a step's
 # blocks over an ever larger heap, so what 20 steps touch grows with the run's length: a 900-step parallel
 # draft run went from 11 GB resident at step 237 to 24 GB, the whole machine, at step 357 and was killed.
-RETAINED_MEMORY_SHARE = 0.5
+# 0.5 of the 23.5 GiB machine forced the shipped demo's training to hand memory back every 7-20 steps from step 74
+# and to stop retaining at step 225 (4.6 s/step against 3.4-3.6 retained; BENCHMARKS.md section 7). The share
+# only has to leave room for the process's own step peak beyond its heap: other processes are covered by
+# MEMORY_RESERVE_SHARE.
+RETAINED_MEMORY_SHARE = 0.7
+# Retained memory is a cache and gives way to the machine's other demand: whatever the share, a step that ends
+# with less than this share of the memory limit still available (MemAvailable, or the cgroup's headroom) trims at
+# once, so a process started beside training finds its memory.
+MEMORY_RESERVE_SHARE = 0.2
 # glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD).
 DEFAULT_MMAP_MAX = 65536
 DEFAULT_TRIM_THRESHOLD = 128 * 1024
@@ -126,6 +134,41 @@ def memory_limit_bytes(
     except (OSError, ValueError):
         pass
     return min(limits) if limits else None
+
+
+def available_bytes(
+    meminfo: Path = Path("/proc/meminfo"),
+    cgroup_max: Path = Path("/sys/fs/cgroup/memory.max"),
+    cgroup_current: Path = Path("/sys/fs/cgroup/memory.current"),
+    cgroup_stat: Path = Path("/sys/fs/cgroup/memory.stat"),
+) -> int | None:
+    """Memory still available to this process: the machine's MemAvailable, or its cgroup v2 headroom when lower
+    (limit minus usage, the inactive page cache counted as free as the kernel reclaims it first). None where
+    neither can be read."""
+    found = []
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)  # kB
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = cgroup_max.read_text().strip()
+        if limit != "max":
+            used = int(cgroup_current.read_text().strip())
+            for line in cgroup_stat.read_text().splitlines() if cgroup_stat.is_file() else []:
+                if line.startswith("inactive_file "):
+                    used -= int(line.split()[1])
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def memory_reserve_bytes(share: float = MEMORY_RESERVE_SHARE) -> int | None:
+    """Available bytes below which training trims retained memory at once (MEMORY_RESERVE_SHARE)."""
+    limit = memory_limit_bytes()
+    return None if limit is None else int(limit * share)
 
 
 def retained_memory_budget(share: float = RETAINED_MEMORY_SHARE) -> int | None:
