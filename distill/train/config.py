@@ -65,9 +65,10 @@ class TrainConfig:
         "(mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD): the vocabulary-sized logits a step allocates and frees "
         "then reuse the same pages instead of page-faulting fresh ones (1.3x faster CPU steps measured, "
         "BENCHMARKS.md section 7). The cost is resident memory (about 4.5 GB more at the peak for the shipped "
-        "parallel draft): it is handed back every 20 steps, at once when the process passes half the machine's (or "
-        "its cgroup's) memory, and when training ends; when that budget forces hand-backs a few steps apart "
-        "(a long run's fragmented heap) training goes back to glibc's default. false = glibc's default.",
+        "parallel draft): it is handed back every 20 steps, at once when the process passes 0.7 of the machine's "
+        "(or its cgroup's) memory or the machine has less than 20% of it available, and when training ends; when "
+        "those force hand-backs a few steps apart (a long run's fragmented heap) training goes back to glibc's "
+        "default. false = glibc's default.",
         run_only=True,
     )
     max_seq_len: int = opt(512, "Sequences are cut to this many tokens.", ge=8)

@@ -9,7 +9,8 @@ faster (BENCHMARKS.md, section 7). `mallopt(M_MMAP_MAX, 0)` makes glibc serve ev
 `mallopt(M_TRIM_THRESHOLD, -1)` keeps freed heap memory for the next allocation: the same pages are reused
 step after step. Retained memory fragments (a freed block serves only requests that fit it), so training hands
 it back every few steps (`trim_freed_memory`, train.callbacks.TrimFreedMemory), at once when the process passes
-its memory budget (RETAINED_MEMORY_SHARE), and stops retaining when the budget forces hand-backs close
+its memory budget (RETAINED_MEMORY_SHARE) or the machine runs short of available memory (MEMORY_RESERVE_SHARE),
+and stops retaining when the budget forces hand-backs close
 together (a long run's fragmented heap: from then on retaining costs what it was meant to save). The process
 would also keep its peak resident memory after training: `freed_memory_retained` therefore restores glibc's
 defaults when training ends and hands the freed memory back (`malloc_trim`), so a `distill run` that goes on
