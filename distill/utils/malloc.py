@@ -121,20 +121,28 @@ def memory_limit_bytes(
 ) -> int | None:
     """The memory this process may use: the machine's total, or its cgroup v2 limit when lower (a container's
     memory limit is what the kernel kills at). None where neither can be read."""
-    limits = []
+    limits = [n for n in (_meminfo_bytes(meminfo, "MemTotal"), _cgroup_limit(cgroup_max)) if n is not None]
+    return min(limits) if limits else None
+
+
+def _meminfo_bytes(meminfo: Path, field: str) -> int | None:
+    """One /proc/meminfo field (given in kB) in bytes."""
     try:
         for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                limits.append(int(line.split()[1]) * 1024)  # kB
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
+    return None
+
+
+def _cgroup_limit(cgroup_max: Path) -> int | None:
+    """The cgroup v2 memory limit in bytes; None when unlimited ("max") or unreadable."""
     try:
         text = cgroup_max.read_text().strip()
-        if text != "max":
-            limits.append(int(text))
+        return None if text == "max" else int(text)
     except (OSError, ValueError):
-        pass
-    return min(limits) if limits else None
+        return None
 
 
 def available_bytes(
@@ -146,23 +154,17 @@ def available_bytes(
     """Memory still available to this process: the machine's MemAvailable, or its cgroup v2 headroom when lower
     (limit minus usage, the inactive page cache counted as free as the kernel reclaims it first). None where
     neither can be read."""
-    found = []
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)  # kB
-    except (OSError, ValueError):
-        pass
-    try:
-        limit = cgroup_max.read_text().strip()
-        if limit != "max":
+    found = [n for n in (_meminfo_bytes(meminfo, "MemAvailable"),) if n is not None]
+    limit = _cgroup_limit(cgroup_max)
+    if limit is not None:
+        try:
             used = int(cgroup_current.read_text().strip())
             for line in cgroup_stat.read_text().splitlines() if cgroup_stat.is_file() else []:
                 if line.startswith("inactive_file "):
                     used -= int(line.split()[1])
-            found.append(max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
+            found.append(max(0, limit - used))
+        except (OSError, ValueError):
+            pass
     return min(found) if found else None
 
 
