@@ -52,20 +52,24 @@ def test_chunks_and_request_seeds():
     assert request_seed(0, "abc") == request_seed(0, "abc") != request_seed(1, "abc")
 
 
+def _cpu_job(tmp_path, data_cfg, chunks):
+    return vllm_job(
+        model_dir=tmp_path,
+        dtype="float32",
+        trust_remote_code=False,
+        cfg=data_cfg,
+        run_seed=0,
+        chunks=chunks,
+        on_gpu=False,
+    )
+
+
 def test_vllm_job_and_env(tmp_path):
     cfg = load_config(
         CONFIG, ["data.temperature=0.7", "data.responses_per_prompt=3", "data.vllm_kvcache_gib=2"]
     )
     ps = [Prompt("p1", [1, 2, 3], None)]
-    job = vllm_job(
-        model_dir=tmp_path,
-        dtype="float32",
-        trust_remote_code=False,
-        cfg=cfg.data,
-        run_seed=0,
-        chunks=[(tmp_path / "g.json", ps)],
-        on_gpu=False,
-    )
+    job = _cpu_job(tmp_path, cfg.data, [(tmp_path / "g.json", ps)])
     assert job["kind"] == "generate" and job["enforce_eager"] is True
     assert job["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 32, "n": 3, "logprobs": None}
     assert job["max_model_len"] == 64 + 32
@@ -81,16 +85,7 @@ def test_vllm_job_and_env(tmp_path):
     }
     assert vllm_env(cfg.data, on_gpu=True) == {}
     compiled = load_config(CONFIG, ["data.vllm_enforce_eager=false"])
-    job = vllm_job(
-        model_dir=tmp_path,
-        dtype="float32",
-        trust_remote_code=False,
-        cfg=compiled.data,
-        run_seed=0,
-        chunks=[],
-        on_gpu=False,
-    )
-    assert job["enforce_eager"] is False
+    assert _cpu_job(tmp_path, compiled.data, [])["enforce_eager"] is False
 
 
 def test_data_hash_ignores_run_only_keys():
