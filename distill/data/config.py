@@ -84,8 +84,9 @@ class DataConfig:
     vllm_enforce_eager: bool = opt(
         False,
         "vLLM enforce_eager for generation. false (vLLM's default): compiled decoding, torch.compile on CPU "
-        "(needs a C++ compiler), CUDA graphs on GPU; on the 2-core CPU 1.11x the eager rate but ~50 s more start-up, a gain from about "
-        "250k generated tokens on (BENCHMARKS.md section 6). true: eager, for small or one-off builds.",
+        "(needs a C++ compiler), CUDA graphs on GPU; on the 2-core CPU 1.11x the eager rate but ~50 s more "
+        "start-up, a gain from about 250k generated tokens on (BENCHMARKS.md section 6). true: eager, for small "
+        "or one-off builds.",
         run_only=True,
     )
     worker_timeout_s: float = opt(

@@ -134,8 +134,8 @@ class TrimFreedMemory(Callback):
 
     A step that ends with more than `budget_bytes` resident (`malloc.RETAINED_MEMORY_SHARE`), or with less than
     `reserve_bytes` still available to the machine (`malloc.MEMORY_RESERVE_SHARE`: other processes need it),
-    trims at once, so the retained memory never runs the machine out of memory. Fragmentation spreads each step's blocks over a
-    larger heap as a run goes on, and the budget then forces trims ever more often; once two come within
+    trims at once, so the retained memory never runs the machine out of memory. Fragmentation spreads each
+    step's blocks over a larger heap as a run goes on, and the budget then forces trims ever more often; once two come within
     `every_n_steps // 4` steps of each other, every step pays the page faults that retaining was meant to save,
     so the callback stops retaining (`release`: glibc's defaults) for the rest of the run and only goes on
     handing back every `every_n_steps` steps. The parallel draft's training reached that point 100-120 steps

@@ -10,8 +10,8 @@ faster (BENCHMARKS.md, section 7). `mallopt(M_MMAP_MAX, 0)` makes glibc serve ev
 step after step. Retained memory fragments (a freed block serves only requests that fit it), so training hands
 it back every few steps (`trim_freed_memory`, train.callbacks.TrimFreedMemory), at once when the process passes
 its memory budget (RETAINED_MEMORY_SHARE) or the machine runs short of available memory (MEMORY_RESERVE_SHARE),
-and stops retaining when the budget forces hand-backs close
-together (a long run's fragmented heap: from then on retaining costs what it was meant to save). The process
+and stops retaining when these force hand-backs close together (a long run's fragmented heap: from then on
+retaining costs what it was meant to save). The process
 would also keep its peak resident memory after training: `freed_memory_retained` therefore restores glibc's
 defaults when training ends and hands the freed memory back (`malloc_trim`), so a `distill run` that goes on
 to start vLLM for the eval finds the memory free again (vLLM on CPU refuses to start when the free memory is
@@ -168,16 +168,19 @@ def available_bytes(
     return min(found) if found else None
 
 
-def memory_reserve_bytes(share: float = MEMORY_RESERVE_SHARE) -> int | None:
-    """Available bytes below which training trims retained memory at once (MEMORY_RESERVE_SHARE)."""
+def _share_of_limit(share: float) -> int | None:
     limit = memory_limit_bytes()
     return None if limit is None else int(limit * share)
+
+
+def memory_reserve_bytes(share: float = MEMORY_RESERVE_SHARE) -> int | None:
+    """Available bytes below which training trims retained memory at once (MEMORY_RESERVE_SHARE)."""
+    return _share_of_limit(share)
 
 
 def retained_memory_budget(share: float = RETAINED_MEMORY_SHARE) -> int | None:
     """Resident bytes past which training trims retained memory at once (RETAINED_MEMORY_SHARE)."""
-    limit = memory_limit_bytes()
-    return None if limit is None else int(limit * share)
+    return _share_of_limit(share)
 
 
 @contextlib.contextmanager
