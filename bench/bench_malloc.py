@@ -82,6 +82,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         parallel_of,
         shared_vocab,
     )
+    from distill.utils.malloc import memory_reserve_bytes, resident_bytes, retained_memory_budget
 
     steps = args["warmup"] + args["steps"]
     cfg = load_config(
@@ -109,6 +110,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     class Timer(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.rss_gib: list[float] = []  # resident after each step, before any hand-back
             self.cpu: list[tuple[float, float]] = []
             self._t0 = 0.0
 
@@ -122,18 +124,34 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
         ) -> None:
             self.times.append(time.perf_counter() - self._t0)
+            self.rss_gib.append((resident_bytes() or 0) / 2**30)
             if len(self.times) == steps:
                 use = resource.getrusage(resource.RUSAGE_SELF)
                 self.cpu.append((use.ru_utime, use.ru_stime))
 
     timer = Timer()
-    # as `distill train` does with the setting on: the retained memory goes back every few steps
-    trims = [TrimFreedMemory(args["trim_every"])] if args["retain"] else []
+    # As `distill train` does with the setting on: the retained memory goes back every few steps, and with
+    # "budget" also at once past the memory budget or short of available memory (distill.train.stage).
+    with_budget = bool(args.get("budget"))
+    trims = (
+        [
+            TrimFreedMemory(
+                args["trim_every"],
+                retained_memory_budget() if with_budget else None,
+                reserve_bytes=memory_reserve_bytes() if with_budget else None,
+            )
+        ]
+        if args["retain"]
+        else []
+    )
     trainer = bare_trainer(steps, precision=cfg.train.precision, callbacks=[timer, *trims])
     trainer.fit(module, datamodule=dm)
     (u0, s0), (u1, s1) = timer.cpu
     return {
         "step_s": timer.times[args["warmup"] :],
+        "rss_gib": timer.rss_gib,
+        "forced_trims": trims[0].over_budget if trims else 0,
+        "released_at": trims[0].released_at if trims else None,
         "user_s": u1 - u0,
         "system_s": s1 - s0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -25,9 +25,17 @@ from typing import Any
 from bench.common import OUT_DIR, REPO, machine_info, machine_line, utc_now
 
 # bench_eval trains the embedded default's draft when it is missing, so it runs before bench_drafts, which
-# measures that distilled draft beside the undistilled candidates, and before bench_malloc, which trains on
-# that run's data.
-BENCHES = ("bench_data", "bench_train", "bench_recipes", "bench_eval", "bench_malloc", "bench_drafts")
+# measures that distilled draft beside the undistilled candidates, and before bench_malloc and bench_blocks,
+# which train on that run's data.
+BENCHES = (
+    "bench_data",
+    "bench_train",
+    "bench_recipes",
+    "bench_eval",
+    "bench_malloc",
+    "bench_blocks",
+    "bench_drafts",
+)
 # Quick arguments for benches that have no --quick flag (used only when their --help lacks one).
 QUICK_FALLBACK = {"bench_data": ["--skip-vllm", "--prompts", "16", "--max-new-tokens", "64"]}
 # Full runs that are not a bench's own defaults, each variant with its own log and `<stem>-<variant>` files:

@@ -71,6 +71,16 @@ class TrainConfig:
         "default. false = glibc's default.",
         run_only=True,
     )
+    logits_block_rows: int = opt(
+        1024,
+        "Predictions whose vocabulary-sized logits exist at once: the output head and the loss (and validation) "
+        "run over a micro-batch's predictions in blocks of this many rows, each block's gradient computed before "
+        "the next, so a step's logits memory is one block's whatever the batch (1024 x 49,152 floats = 0.2 GB) "
+        "and freed blocks are reused step after step (BENCHMARKS.md section 7). 0 = all of a micro-batch's "
+        "predictions at once. Same loss and gradient either way, up to float rounding.",
+        ge=0,
+        run_only=True,
+    )
     max_seq_len: int = opt(512, "Sequences are cut to this many tokens.", ge=8)
     teacher: Literal["online", "cached"] = opt(
         "online",

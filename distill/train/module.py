@@ -27,6 +27,7 @@ from distill.losses import (
     shift_mask,
 )
 from distill.train.data import MicroBatch
+from distill.train.head_loss import blocks, chunked_head_loss
 from distill.train.parallel import ParallelView, accepted_lengths, run_lengths
 from distill.utils.fs import atomic_write_json, read_json
 
@@ -44,6 +45,17 @@ class OptimConfig:
     grad_clip: float
 
 
+def output_head(model: Any) -> Any | None:
+    """The model's output head when its logits are exactly `head(last hidden state)`, else None (no decoder /
+    head accessors, or logits post-processed by soft-capping or scaling: those take the full forward)."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None
+    if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
+        return None
+    return model.get_output_embeddings()
+
+
 def response_logits(
     model: Any, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, vocab: int
 ) -> Tensor:
@@ -52,17 +64,22 @@ def response_logits(
     The output head runs only on the N response positions (for a 49k vocabulary the full [B, T, V] logits
     dominate memory). Models that post-process logits (soft-capping, scaling) take the full forward instead.
     """
-    pred = shift_mask(loss_mask)
-    cfg = getattr(model, "config", None)
-    post = getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if post or decoder is None or head is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[pred]
-    else:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        logits = head(hidden[pred])
-    return logits[:, :vocab].float()
+    hidden = response_hidden(model, input_ids, attention_mask, loss_mask)
+    if hidden is None:
+        pred = shift_mask(loss_mask)
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits[pred][:, :vocab].float()
+    return model.get_output_embeddings()(hidden)[:, :vocab].float()
+
+
+def response_hidden(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor
+) -> Tensor | None:
+    """The last hidden states [N, H] at the positions predicting the counted tokens (row-major), the output
+    head's input; None when the model's logits are not `head(hidden)` (`output_head`)."""
+    if output_head(model) is None:
+        return None
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden[shift_mask(loss_mask)]
 
 
 class ValAccumulator:
@@ -165,27 +182,69 @@ def micro_teacher(teacher: Any | None, mb: MicroBatch, vocab: int) -> Tensor | S
 class Predictions:
     """The draft's P predictions of a micro-batch, aligned with their teacher rows.
 
-    logits [P, vocab] (or vocab + 1, see `fit_sparse_to_vocab`); teacher: [P, vocab] logits, cached rows or None;
-    labels [P]: the data's token; positions [P]: validation bucket (position in the response, or the draft
-    position of a parallel draft).
+    hidden [P, H]: the draft's last hidden states at its predictions, the input of `head` (None when the model
+    post-processes its logits: then `logits` [P, vocab] holds them); teacher: [P, vocab] logits, cached rows
+    or None; labels [P]: the data's token; positions [P]: validation bucket (position in the response, or the
+    draft position of a parallel draft). The vocabulary-sized logits are made block by block
+    (`distill.train.head_loss`).
     """
 
-    logits: Tensor
+    hidden: Tensor | None
+    logits: Tensor | None
+    head: Any
+    vocab: int
     teacher: Tensor | SparseTeacher | None
     labels: Tensor
     positions: Tensor
 
+    @property
+    def rows(self) -> int:
+        return int(self.labels.shape[0])
 
-def parallel_logits(model: Any, view: ParallelView, vocab: int) -> Tensor:
-    """Logits [P, vocab] of a parallel draft's proposals: one forward over the packed micro-batch."""
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(
+    def block_logits(self, start: int, end: int) -> Tensor:
+        """Float32 logits [end - start, vocab] of the predictions start..end-1."""
+        if self.logits is not None:
+            return self.logits[start:end]
+        assert self.hidden is not None
+        return self.head(self.hidden[start:end])[:, : self.vocab].float()
+
+    def aligned(
+        self, logits: Tensor, start: int, end: int
+    ) -> tuple[Tensor, Tensor, Tensor | SparseTeacher | None]:
+        """(student logits, labels, teacher rows) of the predictions start..end-1, the logits widened where
+        cached ids reach past the vocabulary (`fit_sparse_to_vocab`)."""
+        t = take_rows(self.teacher, slice(start, end))
+        if isinstance(t, SparseTeacher):
+            logits, t = fit_sparse_to_vocab(logits, t, self.vocab)
+        return logits, self.labels[start:end], t
+
+    def loss_sum(self, spec: LossSpec, block_rows: int) -> Tensor:
+        """Summed per-token loss over all P predictions (a float32 scalar with a gradient), the head and the
+        loss run `block_rows` predictions at a time (0 = all at once)."""
+        weight = getattr(self.head, "weight", None)
+        if (
+            self.hidden is None
+            or block_rows <= 0
+            or getattr(self.head, "bias", None) is not None
+            or weight is None
+        ):
+            return per_token_loss(spec, *self.aligned(self.block_logits(0, self.rows), 0, self.rows)).sum()
+
+        def row_loss(logits: Tensor, start: int, end: int) -> Tensor:
+            return per_token_loss(spec, *self.aligned(logits[:, : self.vocab].float(), start, end))
+
+        return chunked_head_loss(self.hidden, weight, row_loss, block_rows)
+
+
+def parallel_hidden(model: Any, view: ParallelView) -> Tensor:
+    """Last hidden states [P, H] at a parallel draft's proposals: one forward over the packed micro-batch."""
+    hidden = model.get_decoder()(
         input_ids=view.input_ids, attention_mask=view.attention, position_ids=view.position_ids
     ).last_hidden_state
-    return head(hidden.reshape(-1, hidden.shape[-1])[view.predict_at])[:, :vocab].float()
+    return hidden.reshape(-1, hidden.shape[-1])[view.predict_at]
 
 
-def take_rows(t: Tensor | SparseTeacher | None, index: Tensor) -> Tensor | SparseTeacher | None:
+def take_rows(t: Tensor | SparseTeacher | None, index: Tensor | slice) -> Tensor | SparseTeacher | None:
     if t is None or isinstance(t, Tensor):
         return None if t is None else t[index]
     return SparseTeacher(t.ids[index], t.logprobs[index], t.rest_logmass[index])
@@ -195,17 +254,19 @@ def student_and_teacher(draft: Any, teacher: Any | None, mb: MicroBatch, vocab: 
     """The draft's predictions for the micro-batch and the aligned teacher rows."""
     labels = select_labels(mb.input_ids, mb.loss_mask)
     t = micro_teacher(teacher, mb, vocab)
+    head = output_head(draft)
+    logits = None
     if mb.parallel is None:
-        s_logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
+        hidden = response_hidden(draft, mb.input_ids, mb.attention_mask, mb.loss_mask)
+        if hidden is None:
+            logits = response_logits(draft, mb.input_ids, mb.attention_mask, mb.loss_mask, vocab)
         positions = mb.positions
     else:
         # Each proposal's teacher is the target's row for the token it predicts (module docstring of parallel).
-        s_logits = parallel_logits(draft, mb.parallel, vocab)
+        hidden = parallel_hidden(draft, mb.parallel)
         index = mb.parallel.target_index
         t, labels, positions = take_rows(t, index), labels[index], mb.parallel.draft_position
-    if isinstance(t, SparseTeacher):
-        s_logits, t = fit_sparse_to_vocab(s_logits, t, vocab)
-    return Predictions(s_logits, t, labels, positions)
+    return Predictions(hidden, logits, head, vocab, t, labels, positions)
 
 
 def greedy_runs(mb: MicroBatch, top1: Tensor) -> Tensor:
@@ -227,15 +288,24 @@ def eval_micro(
     eval_temperature: float,
     vocab: int,
     acc: ValAccumulator,
+    block_rows: int = 0,
 ) -> None:
-    """Add one micro-batch's validation figures to `acc` (no grad)."""
+    """Add one micro-batch's validation figures to `acc` (no grad); the head runs `block_rows` predictions at a
+    time (0 = all at once)."""
     with torch.no_grad():
         pr = student_and_teacher(draft, teacher, mb, vocab)
         if pr.teacher is None:
             raise ValueError("validation needs a teacher (online model or top-k cache)")
-        loss = per_token_loss(spec, pr.logits, pr.labels, pr.teacher)
-        a, top1 = eval_token_stats(pr.logits, pr.teacher, eval_temperature)
-        acc.update(loss, a, top1, pr.positions, greedy_runs(mb, top1))
+        losses, accs, top1s = [], [], []
+        for start, end in blocks(pr.rows, block_rows):
+            logits, labels, t = pr.aligned(pr.block_logits(start, end), start, end)
+            assert t is not None
+            losses.append(per_token_loss(spec, logits, labels, t))
+            a, top1 = eval_token_stats(logits, t, eval_temperature)
+            accs.append(a)
+            top1s.append(top1)
+        top1 = torch.cat(top1s)
+        acc.update(torch.cat(losses), torch.cat(accs), top1, pr.positions, greedy_runs(mb, top1))
 
 
 def evaluate_draft(
@@ -247,6 +317,7 @@ def evaluate_draft(
     eval_temperature: float,
     vocab: int,
     max_positions: int,
+    block_rows: int = 0,
 ) -> dict[str, Any]:
     """Validation figures of `draft` over `loader` (a plain loop: used for the undistilled baseline)."""
     acc = ValAccumulator(max_positions)
@@ -254,7 +325,7 @@ def evaluate_draft(
     draft.eval()
     for step in loader:
         for mb in step:
-            eval_micro(draft, teacher, mb, spec, eval_temperature, vocab, acc)
+            eval_micro(draft, teacher, mb, spec, eval_temperature, vocab, acc, block_rows)
     draft.train(was_training)
     return acc.summary()
 
@@ -331,6 +402,7 @@ class DistillModule(L.LightningModule):
         max_positions: int,
         hparams: dict[str, Any],
         history_path: Path | None = None,
+        block_rows: int = 0,
     ):
         super().__init__()
         self.draft = draft
@@ -344,6 +416,7 @@ class DistillModule(L.LightningModule):
         self.vocab = vocab
         self.eval_temperature = eval_temperature
         self.max_positions = max_positions
+        self.block_rows = block_rows  # train.logits_block_rows
         self.automatic_optimization = False
         self.save_hyperparameters(hparams)  # plain containers only: safe `weights_only` loading
         self.history_path = history_path
@@ -403,7 +476,7 @@ class DistillModule(L.LightningModule):
         bad_rows: list[int] = []
         for mb in batch:
             pr = student_and_teacher(self.draft, self.teacher, mb, self.vocab)
-            loss_sum = per_token_loss(self.spec, pr.logits, pr.labels, pr.teacher).sum()
+            loss_sum = pr.loss_sum(self.spec, self.block_rows)
             if not torch.isfinite(loss_sum):
                 bad_rows.extend(mb.rows.tolist())
             self.manual_backward(loss_sum * scale)
@@ -465,7 +538,14 @@ class DistillModule(L.LightningModule):
         assert self._val_acc is not None
         for mb in batch:
             eval_micro(
-                self.draft, self.teacher, mb, self.spec, self.eval_temperature, self.vocab, self._val_acc
+                self.draft,
+                self.teacher,
+                mb,
+                self.spec,
+                self.eval_temperature,
+                self.vocab,
+                self._val_acc,
+                self.block_rows,
             )
 
     def on_validation_epoch_end(self) -> None:

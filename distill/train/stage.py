@@ -287,6 +287,7 @@ def build_module(cfg: Config, draft: Any, teacher: Any | None, spec: LossSpec, v
         max_positions=val_positions(cfg, draft),
         hparams=hparams,
         history_path=train_dir(cfg.run_dir) / "val_history.json",
+        block_rows=t.logits_block_rows,
     )
 
 
@@ -395,6 +396,7 @@ def _baseline(
         eval_temperature=cfg.train.eval_temperature,
         vocab=vocab,
         max_positions=val_positions(cfg, draft),
+        block_rows=cfg.train.logits_block_rows,
     )
     figures["step"] = 0
     figures["seconds"] = round(time.perf_counter() - t0, 3)

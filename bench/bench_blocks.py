@@ -1,0 +1,193 @@
+"""Train-step time and resident memory with the output head and loss run in blocks of rows
+(`train.logits_block_rows`) against all of a micro-batch's predictions at once, side by side on a real data run.
+
+    python -m bench.bench_blocks                                   # the demo's data run (make demo first)
+    python -m bench.bench_blocks --block-rows 0,512,1024,2048 --steps 40 --repeats 2
+    python -m bench.bench_blocks --quick                           # 2 timed steps, 1 repeat
+
+Each measurement is its own process (a fresh heap) running `distill train`'s Lightning step on the run's cached
+data (bench_malloc's worker) with freed memory retained and handed back as `distill train` does: every
+TRIM_EVERY_STEPS steps, and at once past the memory budget or when the machine runs short
+(distill/utils/malloc.py). Within a repeat every setting runs once, the order rotating from repeat to repeat.
+Reported per setting: the median step time over all timed steps, its ratio to the first setting's per repeat,
+the resident memory after the first timed step and its growth per step until the first hand-back (the heap
+fragmentation blocks are meant to stop), the hand-backs the budget forced, and peak RSS. Written to
+`bench/out/blocks.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.bench_malloc import DRAFTS, run_worker, trim_every
+from bench.common import (
+    OUT_DIR,
+    REPO,
+    command_line,
+    fmt,
+    machine_info,
+    markdown_table,
+    median,
+    spread,
+    utc_now,
+    write_fragment,
+)
+
+
+def growth_per_step(rss_gib: list[float], warmup: int, every: int) -> float | None:
+    """Resident growth in GiB per step from the first timed step to the step before the first periodic
+    hand-back (steps are 1-based: the hand-back runs after step `every`), None when fewer than 2 steps lie
+    between."""
+    end = min(len(rss_gib), every) - 1  # index of the last step before the periodic trim
+    start = warmup
+    if end - start < 1:
+        return None
+    return (rss_gib[end] - rss_gib[start]) / (end - start)
+
+
+def summarize(runs: list[dict[str, Any]], warmup: int, every: int) -> dict[str, Any]:
+    """Per setting (block rows): step-time spread, per-repeat ratio to the first setting, memory figures."""
+    settings = list(dict.fromkeys(r["block_rows"] for r in runs))
+    base = settings[0]
+    out: dict[str, Any] = {}
+    for rows in settings:
+        mine = [r for r in runs if r["block_rows"] == rows]
+        ratios = []
+        for rep in sorted({r["repeat"] for r in mine}):
+            pair = {r["block_rows"]: median(r["step_s"]) for r in runs if r["repeat"] == rep}
+            if base in pair and rows in pair:
+                ratios.append(pair[base] / pair[rows])
+        growth = [g for r in mine if (g := growth_per_step(r["rss_gib"], warmup, every)) is not None]
+        out[str(rows)] = {
+            "step_s": spread([s for r in mine for s in r["step_s"]]),
+            "speedup_vs_first": spread(ratios) if ratios else None,
+            "rss_first_timed_gib": median([r["rss_gib"][warmup] for r in mine if len(r["rss_gib"]) > warmup]),
+            "rss_growth_gib_per_step": median(growth) if growth else None,
+            "forced_trims": median([float(r["forced_trims"]) for r in mine]),
+            "released": sum(1 for r in mine if r["released_at"] is not None),
+            "peak_rss_mib": median([r["peak_rss_mib"] for r in mine]),
+        }
+    return out
+
+
+def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    header = [
+        "logits_block_rows",
+        "s/step (median, min–max)",
+        "speedup vs first (per repeat)",
+        "RSS after first timed step GiB",
+        "RSS growth GiB/step",
+        "forced hand-backs",
+        "peak RSS MiB",
+    ]
+    rows = []
+    for setting, row in summary.items():
+        s, ratio, growth = row["step_s"], row["speedup_vs_first"], row["rss_growth_gib_per_step"]
+        rows.append(
+            [
+                "0 (all at once)" if setting == "0" else setting,
+                f"{fmt(s['median'], 2)} ({fmt(s['min'], 2)}–{fmt(s['max'], 2)})",
+                f"**{ratio['median']:.2f}x** ({ratio['min']:.2f}–{ratio['max']:.2f}, n={ratio['n']})"
+                if ratio
+                else "",
+                f"{row['rss_first_timed_gib']:.1f}",
+                "" if growth is None else f"{growth:+.2f}",
+                f"{row['forced_trims']:.0f}"
+                + (f" (retaining stopped in {row['released']})" if row["released"] else ""),
+                f"{row['peak_rss_mib']:.0f}",
+            ]
+        )
+    note = (
+        f"\n\nDraft `{args.draft}`; {args.steps} timed steps after {args.warmup} untimed, {args.repeats} repeat(s), "
+        f"each run its own process, settings rotating in order; freed memory retained and handed back every "
+        f"{trim_every(args)} steps and past the budget (as `distill train`); data: `{args.run_dir}`, config "
+        f"`{args.config}`, {args.threads} threads. Growth: resident memory from the first timed step to the step "
+        "before the first periodic hand-back, per step."
+    )
+    return "### Train step: output head and loss in blocks of rows (`train.logits_block_rows`)\n\n" + (
+        markdown_table(header, rows) + note
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/smollm2-sharegpt.yaml")
+    p.add_argument(
+        "--run-dir", default="checkpoints/smollm2-sharegpt", help="a run with a complete data stage"
+    )
+    p.add_argument("--draft", default="parallel-k4", choices=sorted(DRAFTS))
+    p.add_argument("--block-rows", default="0,512,1024,2048", help="comma list; the first is the reference")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--trim-every", type=int, default=0, help="0 = distill train's TRIM_EVERY_STEPS")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--quick", action="store_true", help="2 timed steps, 1 repeat")
+    p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 2, 1, 1
+    try:
+        settings = [int(x) for x in args.block_rows.split(",") if x.strip()]
+    except ValueError:
+        settings = []
+    if not settings or any(x < 0 for x in settings):
+        print(
+            f"--block-rows: expected a comma list of integers >= 0, got {args.block_rows!r}", file=sys.stderr
+        )
+        return 2
+    data = (REPO / args.run_dir / "data").resolve()
+    if not (data / "manifest.json").is_file():
+        print(
+            f"{data}: no complete data stage; run `make demo` (or `distill data -c {args.config}`) first, "
+            "or pass --run-dir",
+            file=sys.stderr,
+        )
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench_blocks."))
+    (work / "data").symlink_to(data, target_is_directory=True)
+    started = utc_now()
+    runs = []
+    for rep in range(args.repeats):
+        shift = rep % len(settings)
+        for rows in settings[shift:] + settings[:shift]:
+            job = {
+                "config": str(REPO / args.config),
+                "run_dir": str(work),
+                "overrides": [*DRAFTS[args.draft], f"train.logits_block_rows={rows}"],
+                "retain": True,
+                "budget": True,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "threads": args.threads,
+                "draft": f"{args.draft} logits_block_rows={rows}",
+                "trim_every": trim_every(args),
+            }
+            result = run_worker(job, args.threads)
+            runs.append({"block_rows": rows, "repeat": rep, **result})
+            print(
+                f"repeat {rep} logits_block_rows={rows}: median {median(result['step_s']):.2f} s/step, "
+                f"peak RSS {result['peak_rss_mib'] / 1024:.1f} GiB, forced hand-backs {result['forced_trims']}",
+                flush=True,
+            )
+    summary = summarize(runs, args.warmup, trim_every(args))
+    payload = {"started_utc": started, "finished_utc": utc_now(), "summary": summary, "runs": runs}
+    write_fragment(
+        "blocks",
+        payload,
+        markdown(summary, args),
+        command=command_line("bench.bench_blocks", argv),
+        machine=machine_info(),
+        out_dir=args.out_dir,
+    )
+    print((args.out_dir / "blocks.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""bench/bench_blocks.py: the side-by-side summary and table (no training here)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import bench_blocks
+
+
+def _run(rows: int, repeat: int, steps: list[float], rss: list[float], forced: int = 0) -> dict:
+    return {
+        "block_rows": rows,
+        "repeat": repeat,
+        "step_s": steps,
+        "rss_gib": rss,
+        "forced_trims": forced,
+        "released_at": None,
+        "user_s": 9.0,
+        "system_s": 1.0,
+        "peak_rss_mib": 1024.0 * max(rss),
+    }
+
+
+def test_growth_runs_from_the_first_timed_step_to_before_the_first_hand_back():
+    rss = [3.0, 4.0, 5.0, 6.0, 7.0, 2.0, 3.0]  # handed back after step 5 (every=5)
+    assert bench_blocks.growth_per_step(rss, warmup=1, every=5) == pytest.approx(1.0)  # 4 -> 7 over 3 steps
+    assert bench_blocks.growth_per_step([3.0, 3.0], warmup=1, every=5) is None
+
+
+def test_speedup_is_per_repeat_against_the_first_setting():
+    runs = [
+        _run(0, 0, [3.0, 3.0, 3.0], [5.0, 6.0, 7.0, 8.0], forced=1),
+        _run(1024, 0, [2.0, 2.0, 2.0], [3.0, 3.0, 3.0, 3.0]),
+        _run(1024, 1, [3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]),  # the machine slowed down: both sides did
+        _run(0, 1, [6.0, 6.0, 6.0], [5.0, 6.0, 7.0, 8.0], forced=3),
+    ]
+    summary = bench_blocks.summarize(runs, warmup=1, every=20)
+    assert summary["0"]["speedup_vs_first"]["median"] == pytest.approx(1.0)
+    assert summary["1024"]["speedup_vs_first"]["median"] == pytest.approx((1.5 + 2.0) / 2)
+    assert summary["1024"]["step_s"]["median"] == pytest.approx(2.5)  # over both repeats' timed steps
+    assert summary["0"]["rss_growth_gib_per_step"] == pytest.approx(1.0)
+    assert summary["1024"]["rss_growth_gib_per_step"] == pytest.approx(0.0)
+    assert summary["0"]["forced_trims"] == pytest.approx(2.0)
+    args = argparse.Namespace(
+        draft="parallel-k4",
+        steps=3,
+        warmup=1,
+        repeats=2,
+        run_dir="r",
+        config="c.yaml",
+        threads=2,
+        trim_every=20,
+    )
+    md = bench_blocks.markdown(summary, args)
+    assert (
+        "| 0 (all at once) | 4.50 (3.00–6.00) | **1.00x** (1.00–1.00, n=2) | 6.0 | +1.00 | 2 | 8192 |" in md
+    )
+    assert "| 1024 | 2.50 (2.00–3.00) | **1.75x** (1.50–2.00, n=2) | 3.0 | +0.00 | 0 | 3072 |" in md
+
+
+@pytest.mark.parametrize("bad", ["", "a,b", "0,-1"])
+def test_bad_block_rows_is_an_input_error(tmp_path, capsys, bad):
+    assert bench_blocks.main(["--block-rows", bad, "--out-dir", str(tmp_path)]) == 2
+    assert "--block-rows" in capsys.readouterr().err
+    assert not (tmp_path / "blocks.json").exists()
+
+
+def test_missing_data_run_is_an_input_error(tmp_path, capsys):
+    assert bench_blocks.main(["--run-dir", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path)]) == 2
+    assert "no complete data stage" in capsys.readouterr().err
+    assert not (tmp_path / "blocks.json").exists()
