@@ -63,9 +63,9 @@ class TrainConfig:
         True,
         "On Linux (glibc), keep freed memory in the training process instead of returning it to the kernel "
         "(mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD): the vocabulary-sized logits a step allocates and frees "
-        "then reuse the same pages instead of page-faulting fresh ones (1.3x faster CPU steps measured, "
-        "BENCHMARKS.md section 7). The cost is resident memory (about 4.5 GB more at the peak for the shipped "
-        "parallel draft): it is handed back every 20 steps, at once when the process passes 0.7 of the machine's "
+        "then reuse the same pages instead of page-faulting fresh ones (1.43x faster CPU steps measured, "
+        "BENCHMARKS.md section 7). The cost is resident memory (about 1.4 GB more at the peak for the shipped "
+        "parallel draft with train.logits_block_rows 1024): it is handed back every 20 steps, at once when the process passes 0.7 of the machine's "
         "(or its cgroup's) memory or the machine has less than 20% of it available, and when training ends; when "
         "those force hand-backs a few steps apart (a long run's fragmented heap) training goes back to glibc's "
         "default. false = glibc's default.",
@@ -73,11 +73,12 @@ class TrainConfig:
     )
     logits_block_rows: int = opt(
         1024,
-        "Predictions whose vocabulary-sized logits exist at once: the output head and the loss (and validation) "
-        "run over a micro-batch's predictions in blocks of this many rows, each block's gradient computed before "
-        "the next, so a step's logits memory is one block's whatever the batch (1024 x 49,152 floats = 0.2 GB) "
-        "and freed blocks are reused step after step (BENCHMARKS.md section 7). 0 = all of a micro-batch's "
-        "predictions at once. Same loss and gradient either way, up to float rounding.",
+        "Draft predictions whose vocabulary-sized logits exist at once: the output head and the loss (and "
+        "validation) run over a micro-batch's predictions in blocks of this many rows, each block's gradient "
+        "computed before the next, so the draft's logits take one block's memory whatever the batch (1024 x "
+        "49,152 floats = 0.2 GB; an online teacher's logits still cover the micro-batch) and freed blocks are "
+        "reused step after step: 1.06x faster steps at half the peak memory (BENCHMARKS.md section 7). 0 = all "
+        "of a micro-batch's predictions at once. Same loss and gradient either way, up to float rounding.",
         ge=0,
         run_only=True,
     )

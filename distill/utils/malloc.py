@@ -1,9 +1,10 @@
 """Keep freed heap memory inside the process on Linux/glibc (`train.retain_freed_memory`).
 
-A training step allocates and frees vocabulary-sized tensors several times (a micro-batch's draft logits are
-P x 49,152 floats, 1-2 GB, and the softmax, its gradient and the loss each make one). glibc serves blocks that
-large with `mmap` and gives them back to the kernel on `free`, so every step page-faults gigabytes of fresh,
-kernel-zeroed pages: on the 2-core CPU machine the kernel took 26% (autoregressive draft) and 32% (parallel
+A training step allocates and frees vocabulary-sized tensors many times (a block of the draft's logits is
+`train.logits_block_rows` x 49,152 floats, 0.2 GB, and the softmax, its gradient and the loss each make one;
+before the blocks (`distill.train.head_loss`) a micro-batch's P x 49,152 took 1-2 GB each). glibc serves blocks
+that large with `mmap` and gives them back to the kernel on `free`, so every step page-faults gigabytes of
+fresh, kernel-zeroed pages: on the 2-core CPU machine the kernel took 26% (autoregressive draft) and 32% (parallel
 draft) of a SmolLM2 training process's CPU time, 8% and 9% with this setting, whose steps ran 1.33x and 1.35x
 faster (BENCHMARKS.md, section 7). `mallopt(M_MMAP_MAX, 0)` makes glibc serve every block from the heap and
 `mallopt(M_TRIM_THRESHOLD, -1)` keeps freed heap memory for the next allocation: the same pages are reused
