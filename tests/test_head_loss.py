@@ -186,3 +186,20 @@ def test_validation_figures_match_unblocked(tiny_llama, parallel):
     for key in ("loss", "expected_acceptance", "top1_agreement"):
         assert blocked[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6)
     assert blocked["accept_len"] == pytest.approx(plain["accept_len"])
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_models_that_post_process_logits_take_the_full_forward(tiny_llama, parallel, monkeypatch):
+    """A soft-capping config sends both drafts through `model(...).logits` (no blocks); Llama ignores the
+    setting, so the loss and gradients must equal the blocked head path's."""
+    from distill.train.module import student_and_teacher
+
+    mb = _micro_batch(parallel)
+    loss_blocked, g_blocked = _grads(tiny_llama, mb, 3, 64)
+    monkeypatch.setattr(tiny_llama.config, "final_logit_softcapping", 30.0, raising=False)
+    pr = student_and_teacher(tiny_llama, None, mb, 64)
+    assert pr.hidden is None and pr.logits is not None and pr.logits.shape == (mb.num_tokens, 64)
+    loss_full, g_full = _grads(tiny_llama, mb, 3, 64)
+    assert abs(loss_full - loss_blocked) < 1e-5 * max(1.0, abs(loss_blocked))
+    for name in g_blocked:
+        torch.testing.assert_close(g_full[name], g_blocked[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -236,12 +236,19 @@ class Predictions:
         return chunked_head_loss(self.hidden, weight, row_loss, block_rows)
 
 
-def parallel_hidden(model: Any, view: ParallelView) -> Tensor:
-    """Last hidden states [P, H] at a parallel draft's proposals: one forward over the packed micro-batch."""
-    hidden = model.get_decoder()(
-        input_ids=view.input_ids, attention_mask=view.attention, position_ids=view.position_ids
-    ).last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1])[view.predict_at]
+def parallel_outputs(model: Any, view: ParallelView, vocab: int) -> tuple[Tensor | None, Tensor | None]:
+    """(hidden [P, H], None) at a parallel draft's proposals, one forward over the packed micro-batch; or
+    (None, float32 logits [P, vocab]) from the full forward when the model's logits are not `head(hidden)`."""
+    inputs = {
+        "input_ids": view.input_ids,
+        "attention_mask": view.attention,
+        "position_ids": view.position_ids,
+    }
+    if output_head(model) is None:
+        logits = model(**inputs).logits
+        return None, logits.reshape(-1, logits.shape[-1])[view.predict_at][:, :vocab].float()
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])[view.predict_at], None
 
 
 def take_rows(t: Tensor | SparseTeacher | None, index: Tensor | slice) -> Tensor | SparseTeacher | None:
@@ -263,7 +270,7 @@ def student_and_teacher(draft: Any, teacher: Any | None, mb: MicroBatch, vocab: 
         positions = mb.positions
     else:
         # Each proposal's teacher is the target's row for the token it predicts (module docstring of parallel).
-        hidden = parallel_hidden(draft, mb.parallel)
+        hidden, logits = parallel_outputs(draft, mb.parallel, vocab)
         index = mb.parallel.target_index
         t, labels, positions = take_rows(t, index), labels[index], mb.parallel.draft_position
     return Predictions(hidden, logits, head, vocab, t, labels, positions)
