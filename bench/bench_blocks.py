@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.bench_malloc import DRAFTS, run_worker, trim_every
+from bench.bench_malloc import DRAFTS, complete_data, run_worker, trim_every, workspace
 from bench.common import (
     OUT_DIR,
     REPO,
@@ -141,16 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--block-rows: expected a comma list of integers >= 0, got {args.block_rows!r}", file=sys.stderr
         )
         return 2
-    data = (REPO / args.run_dir / "data").resolve()
-    if not (data / "manifest.json").is_file():
-        print(
-            f"{data}: no complete data stage; run `make demo` (or `distill data -c {args.config}`) first, "
-            "or pass --run-dir",
-            file=sys.stderr,
-        )
+    data = complete_data(args.run_dir, args.config)
+    if data is None:
         return 2
-    work = Path(tempfile.mkdtemp(prefix="bench_blocks."))
-    (work / "data").symlink_to(data, target_is_directory=True)
+    work = workspace(data, "bench_blocks.")
     started = utc_now()
     runs = []
     for rep in range(args.repeats):

@@ -176,6 +176,25 @@ def run_worker(args: dict[str, Any], threads: int) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def complete_data(run_dir: str, config: str) -> Path | None:
+    """The data folder of `run_dir` when its data stage is complete; else None, the reason on stderr."""
+    data = (REPO / run_dir / "data").resolve()
+    if (data / "manifest.json").is_file():
+        return data
+    print(
+        f"{data}: no complete data stage; run `make demo` (or `distill data -c {config}`) first, or pass --run-dir",
+        file=sys.stderr,
+    )
+    return None
+
+
+def workspace(data: Path, prefix: str) -> Path:
+    """A fresh run folder whose `data` is the given data stage (the workers train in it)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    (work / "data").symlink_to(data, target_is_directory=True)
+    return work
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per draft: step-time medians per setting, the per-repeat ratio off / on, kernel share of CPU time."""
     out: dict[str, Any] = {}
@@ -266,21 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.steps, args.warmup, args.repeats, args.drafts = 2, 1, 1, "autoregressive"
-    data = (REPO / args.run_dir / "data").resolve()
-    if not (data / "manifest.json").is_file():
-        print(
-            f"{data}: no complete data stage; run `make demo` (or `distill data -c {args.config}`) first, "
-            "or pass --run-dir",
-            file=sys.stderr,
-        )
+    data = complete_data(args.run_dir, args.config)
+    if data is None:
         return 2
     drafts = [d for d in args.drafts.split(",") if d]
     unknown = [d for d in drafts if d not in DRAFTS]
     if unknown:
         print(f"--drafts: unknown {unknown}; choose from {sorted(DRAFTS)}", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="bench_malloc."))
-    (work / "data").symlink_to(data, target_is_directory=True)
+    work = workspace(data, "bench_malloc.")
     started = utc_now()
     runs = []
     for rep in range(args.repeats):
