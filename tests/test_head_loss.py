@@ -15,10 +15,11 @@ from distill.train.module import fit_sparse_to_vocab
 VOCAB = 45  # the tokenizer; the head has 50 rows (a padded table)
 
 
-def _sparse_teacher(n: int, k: int = 6, seed: int = 1) -> SparseTeacher:
-    """Top-k rows of a random teacher over the padded table: some ids land past VOCAB."""
+def _sparse_teacher(n: int, k: int = 6, seed: int = 1, width: int = 50) -> SparseTeacher:
+    """Top-k rows of a random teacher over `width` ids (the padded table by default: some ids land past
+    VOCAB)."""
     g = torch.Generator().manual_seed(seed)
-    logp = torch.log_softmax(torch.randn(n, 50, generator=g) * 2, -1)
+    logp = torch.log_softmax(torch.randn(n, width, generator=g) * 2, -1)
     top = logp.topk(k, -1)
     rest = torch.log1p(-top.values.exp().sum(-1).clamp(max=1 - 1e-6))
     return SparseTeacher(top.indices, top.values, rest)
@@ -137,16 +138,10 @@ def _micro_batch(parallel: bool):
     ids = torch.tensor([[5, 6, 7, 10, 11, 12, 13, 14], [8, 9, 20, 21, 22, 0, 0, 0]])
     attn = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
     loss = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0, 0]])
-    n = int(loss.sum())
-    g = torch.Generator().manual_seed(3)
-    logp = torch.log_softmax(torch.randn(n, 64, generator=g) * 2, -1)
-    top = logp.topk(8, -1)
-    rest = torch.log1p(-top.values.exp().sum(-1).clamp(max=1 - 1e-6))
+    teacher = _sparse_teacher(int(loss.sum()), k=8, seed=3, width=64)
     positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
     view = build_parallel_view(ids, attn, loss, k=3, mask_token_id=63, pad_id=0) if parallel else None
-    return MicroBatch(
-        ids, attn, loss, positions, SparseTeacher(top.indices, top.values, rest), torch.tensor([0, 1]), view
-    )
+    return MicroBatch(ids, attn, loss, positions, teacher, torch.tensor([0, 1]), view)
 
 
 def _grads(model, mb, rows: int, vocab: int):
