@@ -23,18 +23,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.bench_malloc import DRAFTS, complete_data, run_worker, trim_every, workspace
+from bench.bench_malloc import (
+    DRAFTS,
+    complete_data,
+    run_worker,
+    trim_every,
+    worker_job,
+    workspace,
+    write_study,
+)
 from bench.common import (
     OUT_DIR,
-    REPO,
-    command_line,
     fmt,
-    machine_info,
     markdown_table,
     median,
     spread,
     utc_now,
-    write_fragment,
 )
 
 
@@ -149,18 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         shift = rep % len(settings)
         for rows in settings[shift:] + settings[:shift]:
-            job = {
-                "config": str(REPO / args.config),
-                "run_dir": str(work),
-                "overrides": [*DRAFTS[args.draft], f"train.logits_block_rows={rows}"],
-                "retain": True,
-                "budget": True,
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "threads": args.threads,
-                "draft": f"{args.draft} logits_block_rows={rows}",
-                "trim_every": trim_every(args),
-            }
+            overrides = [*DRAFTS[args.draft], f"train.logits_block_rows={rows}"]
+            label = f"{args.draft} logits_block_rows={rows}"
+            job = worker_job(args, work, overrides, label, retain=True, budget=True)
             result = run_worker(job, args.threads)
             runs.append({"block_rows": rows, "repeat": rep, **result})
             print(
@@ -169,16 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     summary = summarize(runs, args.warmup, trim_every(args))
-    payload = {"started_utc": started, "finished_utc": utc_now(), "summary": summary, "runs": runs}
-    write_fragment(
-        "blocks",
-        payload,
-        markdown(summary, args),
-        command=command_line("bench.bench_blocks", argv),
-        machine=machine_info(),
-        out_dir=args.out_dir,
-    )
-    print((args.out_dir / "blocks.md").read_text())
+    write_study("blocks", started, summary, runs, markdown(summary, args), argv, args.out_dir)
     return 0
 
 

@@ -195,6 +195,46 @@ def workspace(data: Path, prefix: str) -> Path:
     return work
 
 
+def worker_job(
+    args: argparse.Namespace, work: Path, overrides: list[str], label: str, retain: bool, budget: bool = False
+) -> dict[str, Any]:
+    """One worker's arguments: the bench's command-line settings, the run folder and the config overrides."""
+    return {
+        "config": str(REPO / args.config),
+        "run_dir": str(work),
+        "overrides": overrides,
+        "retain": retain,
+        "budget": budget,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "draft": label,
+        "trim_every": trim_every(args),
+    }
+
+
+def write_study(
+    name: str,
+    started: str,
+    summary: dict[str, Any],
+    runs: list[dict[str, Any]],
+    table: str,
+    argv: list[str] | None,
+    out_dir: Path,
+) -> None:
+    """Write `<out_dir>/<name>.{json,md}` (summary, every run, command, machine) and print the table."""
+    payload = {"started_utc": started, "finished_utc": utc_now(), "summary": summary, "runs": runs}
+    write_fragment(
+        name,
+        payload,
+        table,
+        command=command_line(f"bench.bench_{name}", argv),
+        machine=machine_info(),
+        out_dir=out_dir,
+    )
+    print((out_dir / f"{name}.md").read_text())
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per draft: step-time medians per setting, the per-repeat ratio off / on, kernel share of CPU time."""
     out: dict[str, Any] = {}
@@ -300,18 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         order = (True, False) if rep % 2 == 0 else (False, True)
         for draft in drafts:
             for retain in order:
-                job = {
-                    "config": str(REPO / args.config),
-                    "run_dir": str(work),
-                    "overrides": DRAFTS[draft],
-                    "retain": retain,
-                    "steps": args.steps,
-                    "warmup": args.warmup,
-                    "threads": args.threads,
-                    "draft": draft,
-                    "trim_every": trim_every(args),
-                }
-                result = run_worker(job, args.threads)
+                result = run_worker(worker_job(args, work, DRAFTS[draft], draft, retain), args.threads)
                 runs.append({"draft": draft, "retain": retain, "repeat": rep, **result})
                 print(
                     f"repeat {rep} {draft} retain={retain}: median {median(result['step_s']):.2f} s/step, "
@@ -319,16 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     summary = summarize(runs)
-    payload = {"started_utc": started, "finished_utc": utc_now(), "summary": summary, "runs": runs}
-    write_fragment(
-        "malloc",
-        payload,
-        markdown(summary, args),
-        command=command_line("bench.bench_malloc", argv),
-        machine=machine_info(),
-        out_dir=args.out_dir,
-    )
-    print((args.out_dir / "malloc.md").read_text())
+    write_study("malloc", started, summary, runs, markdown(summary, args), argv, args.out_dir)
     return 0
 
 

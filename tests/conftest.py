@@ -41,6 +41,27 @@ def tiny_draft_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 
 @pytest.fixture()
+def tiny_llama():
+    """A random 2-layer Llama in memory (vocab 64, hidden 32, tied embeddings), eval mode; fresh per test,
+    since tests take gradients through it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture()
 def isolated_cache(tmp_path, monkeypatch) -> Path:
     cache = tmp_path / "cache"
     monkeypatch.setenv("DISTILL_CACHE", str(cache))

@@ -113,24 +113,6 @@ def test_under_bf16_autocast_the_head_runs_in_bf16_like_the_plain_path():
 # Through the training module: a tiny Llama, an ordinary and a parallel micro-batch
 
 
-@pytest.fixture(scope="module")
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg)
-
-
 def _micro_batch(parallel: bool):
     from distill.train.data import MicroBatch
     from distill.train.parallel import build_parallel_view

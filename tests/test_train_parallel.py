@@ -8,24 +8,6 @@ import torch
 from distill.train.parallel import accepted_lengths, build_parallel_view, run_lengths
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
 def _batch():
     # Two rows: prompt of 3 / 2 tokens, responses of 5 / 3 tokens, right-padded.
     ids = torch.tensor([[5, 6, 7, 10, 11, 12, 13, 14], [8, 9, 20, 21, 22, 0, 0, 0]])
@@ -51,13 +33,15 @@ def test_layout_counts_and_targets():
     assert v.position_ids[0, 8:].tolist() == [3, 4, 4, 5, 5, 6, 6]
 
 
-def test_packed_logits_equal_one_forward_per_round(tiny):
+def test_packed_logits_equal_one_forward_per_round(tiny_llama):
     """Logits at mask j of anchor a equal a plain forward over tokens 0..a followed by j masks."""
     ids, attn, loss = _batch()
     k, mask_id = 3, 63
     v = build_parallel_view(ids, attn, loss, k=k, mask_token_id=mask_id, pad_id=0)
     with torch.no_grad():
-        out = tiny(input_ids=v.input_ids, attention_mask=v.attention, position_ids=v.position_ids).logits
+        out = tiny_llama(
+            input_ids=v.input_ids, attention_mask=v.attention, position_ids=v.position_ids
+        ).logits
     flat = out.reshape(-1, out.shape[-1])[v.predict_at]
     length = v.input_ids.shape[1]
     checked = 0
@@ -67,19 +51,21 @@ def test_packed_logits_equal_one_forward_per_round(tiny):
         a = int(v.position_ids[row, slot]) - j  # the anchor's position
         plain = torch.cat([ids[row, : a + 1], torch.full((j,), mask_id)])
         with torch.no_grad():
-            ref = tiny(input_ids=plain[None]).logits[0, -1]
+            ref = tiny_llama(input_ids=plain[None]).logits[0, -1]
         torch.testing.assert_close(flat[p], ref, atol=1e-4, rtol=1e-4)
         checked += 1
     assert checked == v.predict_at.numel()
 
 
-def test_k1_is_the_ordinary_next_token_objective(tiny):
+def test_k1_is_the_ordinary_next_token_objective(tiny_llama):
     ids, attn, loss = _batch()
     v = build_parallel_view(ids, attn, loss, k=1, mask_token_id=63, pad_id=0)
     assert (v.draft_position == 0).all() and v.input_ids.shape == ids.shape
     with torch.no_grad():
-        packed = tiny(input_ids=v.input_ids, attention_mask=v.attention, position_ids=v.position_ids).logits
-        plain = tiny(input_ids=ids, attention_mask=attn).logits
+        packed = tiny_llama(
+            input_ids=v.input_ids, attention_mask=v.attention, position_ids=v.position_ids
+        ).logits
+        plain = tiny_llama(input_ids=ids, attention_mask=attn).logits
     pred = torch.zeros_like(loss, dtype=torch.bool)
     pred[:, :-1] = loss[:, 1:].bool()
     torch.testing.assert_close(packed.reshape(-1, 64)[v.predict_at], plain[pred], atol=1e-4, rtol=1e-4)
