@@ -65,6 +65,12 @@ class DraftConfig:
     )
     model: str | None = opt(None, "Model reference for `init: pretrained` (folder, hub id or alias).")
     num_layers: int = opt(2, "Decoder layers of the draft (`truncate` and `config`).", ge=1)
+    layers: list[int] | None = opt(
+        None,
+        "For `truncate`: which of the target's layers the draft keeps, 0-based and in order; negative counts "
+        "from the end (e.g. [0, -1] = the first and the last). Its length must equal `num_layers`. null = "
+        "the first `num_layers` layers.",
+    )
     hidden_size: int = opt(256, "Hidden size for `init: config`.", ge=8)
     intermediate_size: int = opt(768, "MLP width for `init: config`.", ge=8)
     num_attention_heads: int = opt(4, "Attention heads for `init: config`.", ge=1)
@@ -257,6 +263,16 @@ def _section_problems(cfg: Config) -> list[str]:
             f"draft.hidden_size: {d.hidden_size} must be a multiple of draft.num_attention_heads "
             f"({d.num_attention_heads})."
         )
+    if d.layers is not None:
+        if d.init != "truncate":
+            problems.append(
+                f"draft.layers: only `draft.init: truncate` keeps target layers (init is '{d.init}'); remove it."
+            )
+        elif len(d.layers) != d.num_layers:
+            problems.append(
+                f"draft.layers: names {len(d.layers)} layers but draft.num_layers is {d.num_layers}; set "
+                f"draft.num_layers={len(d.layers)}."
+            )
     if d.parallel_tokens == 1:
         problems.append(
             "draft.parallel_tokens: 1 proposal per round is ordinary drafting; use 0 (off) or >= 2 for parallel "

@@ -166,3 +166,17 @@ def test_to_yaml_round_trip(tmp_path):
     p.write_text(to_yaml(cfg))
     again = load_config(p)
     assert to_yaml(again) == to_yaml(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["draft.layers=[0,1,2]"], "set draft.num_layers=3"),
+        (["draft.init=config", "draft.layers=[0,1]"], "only `draft.init: truncate`"),
+    ],
+)
+def test_draft_layers_must_fit_num_layers_and_truncate(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+    assert load_config(None, ["draft.layers=[0,1,-1]", "draft.num_layers=3"]).draft.layers == [0, 1, -1]

@@ -118,6 +118,64 @@ def test_truncate_init_copies_the_targets_first_layers(tiny_target_dir, tmp_path
     assert not any(k.startswith("model.layers.2.") for k in d)
 
 
+@pytest.mark.parametrize(("layers", "kept"), [("[0,-1]", [0, 3]), ("[1,2]", [1, 2]), ("[-3,-1]", [1, 3])])
+def test_truncate_keeps_the_named_target_layers(tiny_target_dir, tmp_path, layers, kept):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(tiny_target_dir, tmp_path, f"draft.layers={layers}")
+    draft = build_initial_draft(cfg, tiny_target_dir)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    assert draft.config.num_hidden_layers == 2
+    d, t = draft.state_dict(), target.state_dict()
+    for i, j in enumerate(kept):
+        for part in (
+            "self_attn.q_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+        ):
+            assert torch.equal(d[f"model.layers.{i}.{part}"], t[f"model.layers.{j}.{part}"]), (i, j, part)
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(d[name], t[name]), name
+    # The renumbered layers run as a model of their own: the same logits as the target's layers applied by hand.
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        hidden = target.model.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1])[None]
+        rope = target.model.rotary_emb(hidden, pos)
+        mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
+        for j in kept:
+            out = target.model.layers[j](
+                hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        expected = target.lm_head(target.model.norm(hidden))
+        assert torch.allclose(draft(ids).logits, expected, atol=1e-5)
+
+
+def test_first_layers_by_name_equal_the_default_truncation(tiny_target_dir, tmp_path):
+    named = build_initial_draft(_cfg(tiny_target_dir, tmp_path, "draft.layers=[0,1]"), tiny_target_dir)
+    default = build_initial_draft(_cfg(tiny_target_dir, tmp_path), tiny_target_dir)
+    a, b = named.state_dict(), default.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        ("[0,4]", "outside the target's 4"),
+        ("[-5,0]", "outside"),
+        ("[2,1]", "increasing"),
+        ("[3,-1]", "resolves to [3, 3]"),
+    ],
+)
+def test_bad_layer_lists_are_refused_before_loading(tiny_target_dir, tmp_path, layers, message):
+    cfg = _cfg(tiny_target_dir, tmp_path, f"draft.layers={layers}")
+    with pytest.raises(InputError, match="draft.layers") as e:
+        preflight_draft(cfg, tiny_target_dir)
+    assert message in str(e.value)
+
+
 def test_truncate_deeper_than_target_is_refused(tiny_target_dir, tmp_path):
     cfg = _cfg(tiny_target_dir, tmp_path, "draft.num_layers=9")
     with pytest.raises(InputError, match="draft.num_layers"):

@@ -8,7 +8,9 @@ ids, so the draft must speak exactly the target's vocabulary. Embedding matrices
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,7 @@ def preflight_draft(cfg: Config, target_dir: Path) -> Path | None:
         n_target = int(target_cfg.num_hidden_layers)
         if d.num_layers > n_target:
             raise InputError(f"draft.num_layers: {d.num_layers} exceeds the target's {n_target} layers.")
+        kept_layers(d.layers, d.num_layers, n_target)
         return None
     if d.init == "config":
         return None
@@ -105,14 +108,41 @@ def preflight_draft(cfg: Config, target_dir: Path) -> Path | None:
     return draft_dir
 
 
-def _truncated_config(target_cfg: Any, num_layers: int) -> Any:
+def kept_layers(layers: list[int] | None, num_layers: int, n_target: int) -> list[int]:
+    """The target layer indices a `truncate` draft keeps: `draft.layers` with negatives counted from the end,
+    checked against the target's depth; the first `num_layers` when it is null."""
+    if layers is None:
+        return list(range(num_layers))
+    resolved = [i + n_target if i < 0 else i for i in layers]
+    if any(not 0 <= i < n_target for i in resolved):
+        raise InputError(
+            f"draft.layers: {layers} names layers outside the target's {n_target} (valid: 0..{n_target - 1}, "
+            f"or -{n_target}..-1 from the end)."
+        )
+    if any(b <= a for a, b in itertools.pairwise(resolved)):
+        raise InputError(
+            f"draft.layers: {layers} resolves to {resolved}; list each target layer once, in increasing order."
+        )
+    return resolved
+
+
+def _truncated_config(target_cfg: Any, layers: list[int]) -> Any:
     cfg = target_cfg.__class__.from_dict(target_cfg.to_dict())
-    cfg.num_hidden_layers = num_layers
-    # Hybrid-attention models list a type per layer; keep the first N so the config stays consistent.
+    cfg.num_hidden_layers = len(layers)
+    # Hybrid-attention models list a type per layer; keep the kept layers' types so the config stays consistent.
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, list):
-        cfg.layer_types = layer_types[:num_layers]
+        cfg.layer_types = [layer_types[i] for i in layers]
     return cfg
+
+
+_LAYER_KEY = re.compile(r"^(.*\.layers\.)(\d+)(\..*)$")
+
+
+def target_key(draft_key: str, layers: list[int]) -> str:
+    """The target's state-dict key for a truncated draft's key: draft layer i is target layer layers[i]."""
+    m = _LAYER_KEY.match(draft_key)
+    return draft_key if m is None else f"{m.group(1)}{layers[int(m.group(2))]}{m.group(3)}"
 
 
 def choose_mask_token(tokenizer: Any) -> int:
@@ -205,23 +235,8 @@ def _build_draft_model(cfg: Config, target_dir: Path) -> Any:
         return load_causal_lm(draft_dir, trust_remote_code=d.trust_remote_code)
     target_cfg = load_model_config(target_dir, trust_remote_code=tc)
     if d.init == "truncate":
-        config = _truncated_config(target_cfg, d.num_layers)
-        # The target's deeper layers are left out on purpose: transformers' report listing them as
-        # "UNEXPECTED" is noise here (missing keys, the real fault, are checked below).
-        with _transformers_quiet():
-            loaded: Any = AutoModelForCausalLM.from_pretrained(
-                str(target_dir),
-                config=config,
-                dtype=torch.float32,
-                trust_remote_code=tc,
-                use_safetensors=True,
-                output_loading_info=True,
-            )
-        model, info = loaded
-        if info.get("missing_keys"):
-            raise RuntimeError(f"truncate init left weights uninitialised: {info['missing_keys'][:5]}")
-        model.eval()
-        return model
+        layers = kept_layers(d.layers, d.num_layers, int(target_cfg.num_hidden_layers))
+        return _truncated_draft(target_dir, _truncated_config(target_cfg, layers), layers, tc)
     # init == "config": a fresh small Llama speaking the target's tokenizer.
     tie = target_cfg.tie_word_embeddings if d.tie_word_embeddings is None else d.tie_word_embeddings
     rope = getattr(target_cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
@@ -243,6 +258,45 @@ def _build_draft_model(cfg: Config, target_dir: Path) -> Any:
     )
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _truncated_draft(target_dir: Path, config: Any, layers: list[int], trust_remote_code: bool) -> Any:
+    """A draft of the target's `layers` (+ embeddings, final norm, head), weights copied from the target."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if layers == list(range(len(layers))):
+        # The first N layers: load only them. The deeper ones are left out on purpose, so transformers'
+        # report listing them as "UNEXPECTED" is noise (missing keys, the real fault, are checked below).
+        with _transformers_quiet():
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                str(target_dir),
+                config=config,
+                dtype=torch.float32,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=True,
+                output_loading_info=True,
+            )
+        model, info = loaded
+        if info.get("missing_keys"):
+            raise RuntimeError(f"truncate init left weights uninitialised: {info['missing_keys'][:5]}")
+    else:
+        # Any other subset: renumber the kept layers' weights from the whole target.
+        with _transformers_quiet():
+            target = AutoModelForCausalLM.from_pretrained(
+                str(target_dir),
+                dtype=torch.float32,
+                trust_remote_code=trust_remote_code,
+                use_safetensors=True,
+            )
+        source = target.state_dict()
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+        model.load_state_dict({k: source[target_key(k, layers)] for k in model.state_dict()}, strict=True)
+        del target, source
     model.eval()
     return model
 

@@ -136,7 +136,9 @@ def training_facts(run_dir: Path, run_config: dict[str, Any]) -> dict[str, Any]:
     metrics = _last_metrics(run_dir)
     stage_train = _read_json_or_empty(run_dir / "stages" / "train.json").get("summary", {})
     return {
-        "draft_init": {k: draft.get(k) for k in ("init", "model", "num_layers") if draft.get(k) is not None},
+        "draft_init": {
+            k: draft.get(k) for k in ("init", "model", "num_layers", "layers") if draft.get(k) is not None
+        },
         "data": {
             "source": data.get("source"),
             "responses": data.get("responses"),
