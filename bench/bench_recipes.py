@@ -34,6 +34,14 @@ SHARED = [
     "train.val_every=100",
     "draft.parallel_tokens=0",
 ]
+# The shipped recipe (configs/smollm2-sharegpt.yaml): a 2-layer parallel draft proposing 4 tokens per pass.
+PARD4 = [
+    "draft.num_layers=2",
+    "draft.parallel_tokens=4",
+    "train.parallel_mask_fraction=0.25",
+    "train.precision=bf16-mixed",
+    "train.lr=1e-3",
+]
 RECIPES: dict[str, list[str]] = {
     "ar2-fp32-lr5e-4": ["draft.num_layers=2", "train.precision=32", "train.lr=5e-4"],
     "ar2-lr1e-3": ["draft.num_layers=2", "train.precision=bf16-mixed", "train.lr=1e-3"],
@@ -58,13 +66,13 @@ RECIPES: dict[str, list[str]] = {
     "ar2-lr1e-3-tvd": ["draft.num_layers=2", "train.precision=bf16-mixed", "train.lr=1e-3", "train.loss=tvd"],
     "ar1-lr1e-3": ["draft.num_layers=1", "train.precision=bf16-mixed", "train.lr=1e-3"],
     "ar6-lr1e-3": ["draft.num_layers=6", "train.precision=bf16-mixed", "train.lr=1e-3"],
-    "pard4-ar2-mask0.25": [
-        "draft.num_layers=2",
-        "draft.parallel_tokens=4",
-        "train.parallel_mask_fraction=0.25",
-        "train.precision=bf16-mixed",
-        "train.lr=1e-3",
-    ],
+    "pard4-ar2-mask0.25": PARD4,
+    # Which target layers the 2-layer draft keeps: the first and the last instead of the first two (layer-
+    # skipping drafts keep the late layers, which already write in the head's space).
+    "pard4-layers-first-last": [*PARD4, "draft.layers=[0,-1]"],
+    # A 300-step schedule may be too short for lr 1e-3 to settle: a larger peak learning rate.
+    "pard4-lr2e-3": [*PARD4[:-1], "train.lr=2e-3"],
+    "pard4-lr4e-3": [*PARD4[:-1], "train.lr=4e-3"],
 }
 
 
@@ -124,15 +132,15 @@ def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -
 
 
 def merge_with_saved(
-    saved_path: Path, rows: list[dict[str, Any]], steps: int, train_prompts: int
+    saved_path: Path, rows: list[dict[str, Any]], study: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """This invocation's rows plus the saved rows of recipes it did not run, when the saved table is the same
-    study (same steps, same data size): recipes run one invocation at a time still make one table, and a
-    rerun recipe replaces its row. Ordered as in RECIPES."""
+    study (same steps, same data): recipes run one invocation at a time still make one table, and a rerun
+    recipe replaces its row. Ordered as in RECIPES."""
     if not saved_path.is_file():
         return rows
     saved = json.loads(saved_path.read_text())
-    if saved.get("steps") != steps or saved.get("train_prompts") != train_prompts:
+    if any(saved.get(key) != value for key, value in study.items()):
         return rows
     fresh = {r["recipe"] for r in rows}
     merged = [r for r in saved.get("rows", []) if r.get("recipe") not in fresh] + rows
@@ -140,7 +148,7 @@ def merge_with_saved(
     return sorted(merged, key=lambda r: order.get(r["recipe"], len(order)))
 
 
-def markdown(rows: list[dict[str, Any]], steps: int) -> str:
+def markdown(rows: list[dict[str, Any]], steps: int, data_run: Path | None = None) -> str:
     ks = ["1", "2", "3", "4"]
     header = [
         "recipe",
@@ -166,8 +174,9 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
             ]
         )
     note = (
-        f"\n\nEvery recipe: {steps} steps of `distill train` with {' '.join(f'`{o}`' for o in SHARED)} on one "
-        "shared data run (recipes may come from several invocations: see each row's finish time). "
+        f"\n\nEvery recipe: {steps} steps of `distill train` with {' '.join(f'`{o}`' for o in SHARED)} on "
+        + ("one shared data run" if data_run is None else f"the data of the run `{data_run}`")
+        + " (recipes may come from several invocations: see each row's finish time). "
         "E[k] = greedy mean acceptance length with k drafted tokens on the validation rows "
         "(1 + expected accepted tokens per round)."
     )
@@ -181,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma list (default: all)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--train-prompts", type=int, default=6000)
+    p.add_argument(
+        "--data-run",
+        type=Path,
+        help="train on this finished run's data (e.g. checkpoints/smollm2-sharegpt, the demo's) instead of "
+        "building the shared data run; --train-prompts is then unused",
+    )
     p.add_argument("--list", action="store_true", help="print the recipes and exit")
     p.add_argument("--quick", action="store_true", help="a self-check: one recipe, 64 prompts, 20 steps")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
@@ -196,20 +211,29 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown recipe {unknown}; choose from {', '.join(RECIPES)}")
     work = args.out_dir / "work" / ("recipes-quick" if args.quick else "recipes")
-    data_dir = work / "data"
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    ensure_data(args.config, data_dir, args.train_prompts)
+    if args.data_run is not None:
+        data_dir = args.data_run.resolve()
+        if not (data_dir / "data" / "manifest.json").is_file():
+            p.error(f"--data-run {args.data_run}: no finished data stage there (data/manifest.json)")
+        work = work.with_name(f"{work.name}-{data_dir.name}")
+        study = {"steps": args.steps, "data_run": str(data_dir)}
+    else:
+        data_dir = work / "data"
+        ensure_data(args.config, data_dir, args.train_prompts)
+        study = {"steps": args.steps, "train_prompts": args.train_prompts}
     rows = [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
-    rows = merge_with_saved(args.out_dir / "recipes.json", rows, args.steps, args.train_prompts)
+    out_name = "recipes" if args.data_run is None else f"recipes-{data_dir.name}"
+    rows = merge_with_saved(args.out_dir / f"{out_name}.json", rows, study)
     write_fragment(
-        "recipes",
-        {"steps": args.steps, "train_prompts": args.train_prompts, "rows": rows},
-        markdown(rows, args.steps),
+        out_name,
+        {**study, "rows": rows},
+        markdown(rows, args.steps, args.data_run),
         command=command_line("bench.bench_recipes", argv),
         machine=machine_info(),
         out_dir=args.out_dir,
     )
-    print((args.out_dir / "recipes.md").read_text())
+    print((args.out_dir / f"{out_name}.md").read_text())
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
 

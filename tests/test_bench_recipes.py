@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import bench_recipes
 
 
@@ -43,7 +45,8 @@ def test_recipes_run_one_at_a_time_make_one_table(tmp_path: Path):
         {"recipe": "ar2-lr1e-3", "top1_agreement": 0.35},
         {"recipe": "ar1-lr1e-3", "top1_agreement": 0.3},
     ]
-    merged = bench_recipes.merge_with_saved(saved, fresh, 300, 6000)
+    study = {"steps": 300, "train_prompts": 6000}
+    merged = bench_recipes.merge_with_saved(saved, fresh, study)
     # A rerun recipe replaces its saved row; the others are kept; the order is the RECIPES order.
     assert [(r["recipe"], r["top1_agreement"]) for r in merged] == [
         ("ar2-lr1e-3", 0.35),
@@ -51,5 +54,38 @@ def test_recipes_run_one_at_a_time_make_one_table(tmp_path: Path):
         ("ar6-lr1e-3", 0.40),
     ]
     # Another study (other steps or data size) is not mixed in.
-    assert bench_recipes.merge_with_saved(saved, fresh, 600, 6000) == fresh
-    assert bench_recipes.merge_with_saved(tmp_path / "none.json", fresh, 300, 6000) == fresh
+    assert bench_recipes.merge_with_saved(saved, fresh, {**study, "steps": 600}) == fresh
+    assert bench_recipes.merge_with_saved(saved, fresh, {"steps": 300, "data_run": "/runs/demo"}) == fresh
+    assert bench_recipes.merge_with_saved(tmp_path / "none.json", fresh, study) == fresh
+
+
+def test_a_finished_runs_data_is_trained_on_in_place(tmp_path: Path, monkeypatch):
+    """--data-run: every recipe's run folder links that run's data; nothing is generated; its own table."""
+    demo = tmp_path / "demo"
+    (demo / "data").mkdir(parents=True)
+    (demo / "data" / "manifest.json").write_text("{}")
+    calls: list[list[str]] = []
+    real_run = bench_recipes.subprocess.run
+
+    def fake_train(cmd, **kwargs):
+        if "distill" not in cmd:  # machine_info's git call
+            return real_run(cmd, **kwargs)
+        calls.append(cmd)
+        run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1])
+        assert (run_dir / "data").resolve() == (demo / "data").resolve()
+        (run_dir / "train").mkdir()
+        hist = [{"step": 300, "top1_agreement": 0.3, "accept_len": {"1": 1.3}}]
+        (run_dir / "train" / "val_history.json").write_text(json.dumps(hist))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(bench_recipes, "ensure_data", lambda *a: pytest.fail("no data run may be built"))
+    monkeypatch.setattr(bench_recipes.subprocess, "run", fake_train)
+    out = tmp_path / "out"
+    args = ["--recipes", "pard4-layers-first-last", "--data-run", str(demo), "--out-dir", str(out)]
+    assert bench_recipes.main(args) == 0
+    assert calls and "draft.layers=[0,-1]" in calls[0]
+    saved = json.loads((out / "recipes-demo.json").read_text())
+    assert saved["data_run"] == str(demo.resolve()) and saved["rows"][0]["top1_agreement"] == 0.3
+    assert f"the data of the run `{demo}`" in (out / "recipes-demo.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_recipes.main(["--data-run", str(tmp_path / "nothing"), "--out-dir", str(out)])
