@@ -563,3 +563,12 @@ def test_retain_freed_memory_is_applied_unless_switched_off(
     stage.run(off)
     assert calls == [True] and (off.run_dir / "draft" / "model.safetensors").is_file()
     assert trims == [True, True, True]  # nothing retained, nothing to trim
+
+
+def test_final_log_keeps_an_untrained_drafts_zero_agreement():
+    """The closing log line shows an undistilled draft's top-1 of 0.0 as 0.0, and only a missing figure as nan."""
+    import math
+
+    from distill.train.stage import _or_nan
+
+    assert _or_nan(0.0) == 0.0 and _or_nan(0.25) == 0.25 and math.isnan(_or_nan(None))

@@ -588,10 +588,15 @@ def _finish(
     log.info(
         "trained %d steps: val/expected_acceptance %.4f -> %.4f, val/top1_agreement %.4f -> %.4f; draft at %s",
         summary["steps"],
-        summary["baseline"]["expected_acceptance"] or float("nan"),
-        final.get("expected_acceptance", float("nan")),
-        summary["baseline"]["top1_agreement"] or float("nan"),
-        final.get("top1_agreement", float("nan")),
+        _or_nan(summary["baseline"]["expected_acceptance"]),
+        _or_nan(final.get("expected_acceptance")),
+        _or_nan(summary["baseline"]["top1_agreement"]),
+        _or_nan(final.get("top1_agreement")),
         out,
     )
     rundir.mark_complete(cfg, "train", summary)
+
+
+def _or_nan(value: float | None) -> float:
+    """A figure for %-formatting: nan when it was not measured (an untrained draft's 0.0 stays 0.0)."""
+    return float("nan") if value is None else float(value)
