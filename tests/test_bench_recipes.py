@@ -89,3 +89,39 @@ def test_a_finished_runs_data_is_trained_on_in_place(tmp_path: Path, monkeypatch
     assert f"the data of the run `{demo}`" in (out / "recipes-demo.md").read_text()
     with pytest.raises(SystemExit):
         bench_recipes.main(["--data-run", str(tmp_path / "nothing"), "--out-dir", str(out)])
+
+
+def test_a_parallel_drafts_top1_is_its_first_drafted_tokens():
+    parallel = {
+        "top1_agreement": 0.17,
+        "per_position": {"0": {"top1_agreement": 0.32}, "1": {"top1_agreement": 0.16}},
+    }
+    assert bench_recipes.first_token_top1(parallel) == 0.32
+    assert bench_recipes.first_token_top1({"top1_agreement": 0.35}) == 0.35
+
+
+def test_rows_are_read_from_their_run_folders(tmp_path: Path):
+    run = tmp_path / "pard4-lr2e-3"
+    (run / "train").mkdir(parents=True)
+    hist = [
+        {
+            "step": 300,
+            "top1_agreement": 0.19,
+            "accept_len": {"1": 1.34},
+            "per_position": {"0": {"top1_agreement": 0.345}},
+        }
+    ]
+    (run / "train" / "val_history.json").write_text(json.dumps(hist))
+    saved = {
+        "recipe": "pard4-lr2e-3",
+        "wall_s": 1170.0,
+        "top1_agreement": 0.19,
+        "top1_by_step": {"300": 0.19},
+    }
+    row = bench_recipes.with_validation(saved, run)
+    assert (
+        row["top1_agreement"] == 0.345 and row["top1_by_step"] == {"300": 0.345} and row["wall_s"] == 1170.0
+    )
+    failed = bench_recipes.with_validation({"recipe": "x", "wall_s": 3.0, "exit": 1}, tmp_path / "none")
+    assert failed["step"] is None and failed["accept_len"] is None
+    assert "| x |" in bench_recipes.markdown([{**failed, "overrides": []}], 300)
