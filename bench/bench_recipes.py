@@ -4,6 +4,8 @@ acceptance per second of CPU training, measured on held-out data with the target
     python -m bench.bench_recipes                         # every recipe (hours on 2 cores)
     python -m bench.bench_recipes --recipes ar2-lr1e-3,ar6-lr1e-3
     python -m bench.bench_recipes --list
+    python -m bench.bench_recipes --data-run checkpoints/smollm2-sharegpt --recipes pard4-lr4e-3   # the demo's data
+    python -m bench.bench_recipes --data-run checkpoints/smollm2-sharegpt --table-only             # re-render
 
 All recipes share one data run (the config's data section with --train-prompts prompts, top-32 log-probs cached
 from vLLM's generation), created under `bench/out/work/recipes/data` when missing, and train with
@@ -219,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         "building the shared data run; --train-prompts is then unused",
     )
     p.add_argument("--list", action="store_true", help="print the recipes and exit")
+    p.add_argument(
+        "--table-only",
+        action="store_true",
+        help="train nothing: rewrite the saved table from its rows and their run folders",
+    )
     p.add_argument("--quick", action="store_true", help="a self-check: one recipe, 64 prompts, 20 steps")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)
@@ -242,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         study = {"steps": args.steps, "data_run": str(data_dir)}
     else:
         data_dir = work / "data"
-        ensure_data(args.config, data_dir, args.train_prompts)
+        if not args.table_only:
+            ensure_data(args.config, data_dir, args.train_prompts)
         study = {"steps": args.steps, "train_prompts": args.train_prompts}
-    rows = [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
+    rows = [] if args.table_only else [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
     out_name = "recipes" if args.data_run is None else f"recipes-{data_dir.name}"
     rows = merge_with_saved(args.out_dir / f"{out_name}.json", rows, study)
     rows = [with_validation(r, work / r["recipe"]) for r in rows]

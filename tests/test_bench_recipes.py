@@ -87,6 +87,14 @@ def test_a_finished_runs_data_is_trained_on_in_place(tmp_path: Path, monkeypatch
     saved = json.loads((out / "recipes-demo.json").read_text())
     assert saved["data_run"] == str(demo.resolve()) and saved["rows"][0]["top1_agreement"] == 0.3
     assert f"the data of the run `{demo}`" in (out / "recipes-demo.md").read_text()
+    # --table-only trains nothing and re-reads the rows from their run folders.
+    calls.clear()
+    hist = [{"step": 300, "top1_agreement": 0.2, "per_position": {"0": {"top1_agreement": 0.35}}}]
+    run_dir = out / "work" / "recipes-demo" / "pard4-layers-first-last"
+    (run_dir / "train" / "val_history.json").write_text(json.dumps(hist))
+    assert bench_recipes.main([*args, "--table-only"]) == 0
+    assert not calls
+    assert json.loads((out / "recipes-demo.json").read_text())["rows"][0]["top1_agreement"] == 0.35
     with pytest.raises(SystemExit):
         bench_recipes.main(["--data-run", str(tmp_path / "nothing"), "--out-dir", str(out)])
 
