@@ -140,11 +140,18 @@ def describe_type(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(inner))
     if origin in (list, typing.List):  # noqa: UP006
-        return f"a list of {describe_type(get_args(inner)[0])}"
+        return f"a list of {_plural(get_args(inner)[0])}"
     if dataclasses.is_dataclass(inner):
         keys = ", ".join(f.name for f in dataclasses.fields(inner))
         return f"a mapping with keys {{{keys}}}"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(inner, str(inner))
+
+
+def _plural(tp: Any) -> str:
+    """The element type of a list, in words: "integers", "mappings with keys {...}"."""
+    if dataclasses.is_dataclass(tp):
+        return describe_type(tp).replace("a mapping", "mappings", 1)
+    return {int: "integers", float: "numbers", bool: "true/false values", str: "strings"}.get(tp, str(tp))
 
 
 def _value_ok(value: Any, tp: Any) -> bool:

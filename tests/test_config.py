@@ -180,3 +180,9 @@ def test_draft_layers_must_fit_num_layers_and_truncate(overrides, message):
         load_config(None, overrides)
     assert message in str(e.value)
     assert load_config(None, ["draft.layers=[0,1,-1]", "draft.num_layers=3"]).draft.layers == [0, 1, -1]
+
+
+def test_list_types_read_in_the_plural():
+    from distill.config import DraftConfig, _hints, describe_type
+
+    assert describe_type(_hints(DraftConfig)["layers"]) == "a list of integers or null"
