@@ -131,23 +131,23 @@ def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -
             distill_cmd("train", config, overrides), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
         ).returncode
     wall = time.perf_counter() - t0
-    row = {
+    # The validation figures are read from the run folder with every other row's (`with_validation`).
+    return {
         "recipe": name,
         "overrides": RECIPES[name],
         "exit": rc,
         "wall_s": round(wall, 1),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    return with_validation(row, run_dir)
 
 
 def with_validation(row: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """`row` with the figures of its run folder's validations (saved rows are re-read this way, so the table
     always shows what the run folders hold)."""
     history = validations(run_dir)
-    if not history:
+    val = last_validation(run_dir)
+    if val is None:
         return {"step": None, "top1_agreement": None, "accept_len": None, "top1_by_step": {}, **row}
-    val = history[-1]
     return {
         **row,
         "step": val.get("step"),
