@@ -152,9 +152,9 @@ def with_validation(row: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """`row` with the figures of its run folder's validations (saved rows are re-read this way, so the table
     always shows what the run folders hold)."""
     history = validations(run_dir)
-    val = last_validation(run_dir)
-    if val is None:
+    if not history:
         return {"step": None, "top1_agreement": None, "accept_len": None, "top1_by_step": {}, **row}
+    val = history[-1]
     return {
         **row,
         "step": val.get("step"),

@@ -144,14 +144,23 @@ def describe_type(tp: Any) -> str:
     if dataclasses.is_dataclass(inner):
         keys = ", ".join(f.name for f in dataclasses.fields(inner))
         return f"a mapping with keys {{{keys}}}"
-    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(inner, str(inner))
+    return _SCALAR_WORDS[inner][0] if inner in _SCALAR_WORDS else str(inner)
+
+
+# Each scalar type in words, alone and as a list's elements.
+_SCALAR_WORDS: dict[Any, tuple[str, str]] = {
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    bool: ("true/false", "true/false values"),
+    str: ("a string", "strings"),
+}
 
 
 def _plural(tp: Any) -> str:
     """The element type of a list, in words: "integers", "mappings with keys {...}"."""
     if dataclasses.is_dataclass(tp):
         return describe_type(tp).replace("a mapping", "mappings", 1)
-    return {int: "integers", float: "numbers", bool: "true/false values", str: "strings"}.get(tp, str(tp))
+    return _SCALAR_WORDS[tp][1] if tp in _SCALAR_WORDS else str(tp)
 
 
 def _value_ok(value: Any, tp: Any) -> bool:
