@@ -86,6 +86,14 @@ RECIPES: dict[str, list[str]] = {
         "train.max_steps=600",
         "train.val_every=200",
     ],
+    # The shipped recipe on sampled (T=1) target responses instead of greedy ones (DATA_VARIANTS).
+    "pard4-lr4e-3-data-t1": [*PARD4[:-1], "train.lr=4e-3"],
+}
+# Recipes whose training responses are generated another way: a data run of their own (the shared run's data
+# settings plus these overrides) supplies the train split, while the validation split stays the shared run's, so
+# every row is measured on the same target greedy continuations.
+DATA_VARIANTS: dict[str, list[str]] = {
+    "pard4-lr4e-3-data-t1": ["data.temperature=1.0"],
 }
 
 
@@ -105,6 +113,40 @@ def ensure_data(config: str, data_dir: Path, train_prompts: int) -> None:
         "data.logits.codec=zlib",
     ]
     subprocess.run(distill_cmd("data", config, overrides), cwd=REPO, check=True)
+
+
+def ensure_variant_data(data_dir: Path, variant_dir: Path, overrides: list[str]) -> None:
+    """A data run like `data_dir`'s (its resolved config) with `overrides` (skipped when complete)."""
+    config = str(data_dir / "config.yaml")
+    cmd = distill_cmd("data", config, [f"run.dir={variant_dir}", f"run.name={variant_dir.name}", *overrides])
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def link_split(data: Path, source: Path, relative: str) -> None:
+    """`data/relative` as a link to `source/data/relative` (absent in the source: no link)."""
+    target = source / "data" / relative
+    link = data / relative
+    if target.exists() and not link.is_symlink():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(target, target_is_directory=True)
+
+
+def link_data(run_dir: Path, data_dir: Path, train_dir: Path | None) -> None:
+    """`run_dir/data`: the shared data run's, or (`train_dir` given) a folder whose train split and its top-k
+    cache come from `train_dir` and whose validation split and cache come from `data_dir`."""
+    data = run_dir / "data"
+    if train_dir is None:
+        if not data.exists():
+            data.symlink_to(data_dir / "data", target_is_directory=True)
+        return
+    data.mkdir(exist_ok=True)
+    for relative, source in (
+        ("train", train_dir),
+        ("topk/train", train_dir),
+        ("val", data_dir),
+        ("topk/val", data_dir),
+    ):
+        link_split(data, source, relative)
 
 
 def validations(run_dir: Path) -> list[dict[str, Any]]:
@@ -128,9 +170,11 @@ def first_token_top1(validation: dict[str, Any]) -> float | None:
 def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -> dict[str, Any]:
     run_dir = work / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    link = run_dir / "data"
-    if not link.exists():
-        link.symlink_to(data_dir / "data", target_is_directory=True)
+    train_dir = None
+    if name in DATA_VARIANTS:
+        train_dir = work / f"data-{name}"
+        ensure_variant_data(data_dir, train_dir, DATA_VARIANTS[name])
+    link_data(run_dir, data_dir, train_dir)
     overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", *SHARED, *RECIPES[name]]
     t0 = time.perf_counter()
     with open(work / f"{name}.log", "w") as log:
@@ -142,6 +186,7 @@ def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -
     return {
         "recipe": name,
         "overrides": RECIPES[name],
+        "data_overrides": DATA_VARIANTS.get(name, []),
         "exit": rc,
         "wall_s": round(wall, 1),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -181,6 +226,12 @@ def merge_with_saved(
     return sorted(merged, key=lambda r: order.get(r["recipe"], len(order)))
 
 
+def overrides_cell(row: dict[str, Any]) -> str:
+    cell = " ".join(f"`{o}`" for o in row["overrides"])
+    data = row.get("data_overrides") or []
+    return cell + ("; training responses: " + " ".join(f"`{o}`" for o in data) if data else "")
+
+
 def markdown(rows: list[dict[str, Any]], steps: int, data_run: Path | None = None) -> str:
     ks = ["1", "2", "3", "4"]
     header = [
@@ -198,7 +249,7 @@ def markdown(rows: list[dict[str, Any]], steps: int, data_run: Path | None = Non
         body.append(
             [
                 r["recipe"],
-                " ".join(f"`{o}`" for o in r["overrides"]),
+                overrides_cell(r),
                 str(r["step"] or "—"),
                 " → ".join(f"{fmt(v)} @{k}" for k, v in (r.get("top1_by_step") or {}).items()) or "—",
                 *[fmt(al.get(k), 2) for k in ks],
@@ -209,7 +260,9 @@ def markdown(rows: list[dict[str, Any]], steps: int, data_run: Path | None = Non
     note = (
         f"\n\nEvery recipe: {steps} steps of `distill train` with {' '.join(f'`{o}`' for o in SHARED)} on "
         + ("one shared data run" if data_run is None else f"the data of the run `{data_run}`")
-        + " (recipes may come from several invocations: see each row's finish time). "
+        + ", unless its own overrides (applied after these) say otherwise; a recipe with training-response "
+        "overrides trains on a data run of its own and validates on the shared one's rows "
+        "(recipes may come from several invocations: see each row's finish time). "
         "E[k] = greedy mean acceptance length with k drafted tokens on the validation rows "
         "(1 + expected accepted tokens per round)."
     )

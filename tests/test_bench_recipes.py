@@ -133,3 +133,61 @@ def test_rows_are_read_from_their_run_folders(tmp_path: Path):
     failed = bench_recipes.with_validation({"recipe": "x", "wall_s": 3.0, "exit": 1}, tmp_path / "none")
     assert failed["step"] is None and failed["accept_len"] is None
     assert "| x |" in bench_recipes.markdown([{**failed, "overrides": []}], 300)
+
+
+def test_data_variant_overrides_are_valid_and_name_a_recipe():
+    from distill.config import load_config
+
+    for name, overrides in bench_recipes.DATA_VARIANTS.items():
+        assert name in bench_recipes.RECIPES, name
+        assert load_config("configs/smollm2-sharegpt.yaml", overrides)  # raises if invalid
+
+
+def test_a_data_variant_trains_on_its_own_responses_and_validates_on_the_shared_rows(
+    tmp_path: Path, monkeypatch
+):
+    """The variant's data run is built from the shared run's resolved config plus its overrides; the recipe's
+    data folder takes the train split (and its cache) from it and the val split (and its cache) from the shared
+    run, so the row is measured on the same validation rows as every other."""
+    demo = tmp_path / "demo"
+    for part in ("train", "val", "topk/train", "topk/val"):
+        (demo / "data" / part).mkdir(parents=True)
+    (demo / "data" / "manifest.json").write_text("{}")
+    (demo / "config.yaml").write_text("run: {}\n")
+    calls: list[list[str]] = []
+    real_run = bench_recipes.subprocess.run
+
+    def fake_distill(cmd, **kwargs):
+        if "distill" not in cmd:  # machine_info's git call
+            return real_run(cmd, **kwargs)
+        calls.append(cmd)
+        run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1])
+        if cmd[3] == "data":
+            for part in ("train", "val", "topk/train", "topk/val"):
+                (run_dir / "data" / part).mkdir(parents=True, exist_ok=True)
+        else:
+            data = run_dir / "data"
+            variant = (run_dir.parent / f"data-{run_dir.name}" / "data").resolve()
+            assert (data / "train").resolve() == variant / "train"
+            assert (data / "topk" / "train").resolve() == variant / "topk" / "train"
+            assert (data / "val").resolve() == (demo / "data" / "val").resolve()
+            assert (data / "topk" / "val").resolve() == (demo / "data" / "topk" / "val").resolve()
+            (run_dir / "train").mkdir()
+            hist = [{"step": 300, "top1_agreement": 0.3, "accept_len": {"1": 1.3}}]
+            (run_dir / "train" / "val_history.json").write_text(json.dumps(hist))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(bench_recipes.subprocess, "run", fake_distill)
+    out = tmp_path / "out"
+    args = ["--recipes", "pard4-lr4e-3-data-t1", "--data-run", str(demo), "--out-dir", str(out)]
+    assert bench_recipes.main(args) == 0
+    data_call, train_call = calls
+    assert data_call[3:5] == ["data", "-c"] and data_call[5] == str(demo.resolve() / "config.yaml")
+    assert "data.temperature=1.0" in data_call and "data.temperature=1.0" not in train_call
+    assert "train.lr=4e-3" in train_call
+    md = (out / "recipes-demo.md").read_text()
+    assert "training responses: `data.temperature=1.0`" in md
+    # A rerun links nothing twice.
+    calls.clear()
+    (out / "work" / "recipes-demo" / "pard4-lr4e-3-data-t1" / "train").rename(tmp_path / "old-train")
+    assert bench_recipes.main(args) == 0
