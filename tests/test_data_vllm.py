@@ -82,3 +82,52 @@ def test_topk_cache_from_vllm_logprobs_matches_a_forward_pass(tiny_config_overri
     assert same_ids >= 0.95 * total  # near-ties may swap neighbours between the two kernels
     manifest = json.loads(manifest_path(tmp_path / "vllm").read_text())
     assert manifest["cache"]["top_k"] == 8
+
+
+def test_vllm_worker_samples_seeded_responses_past_the_prefill_budget(
+    tiny_config_overrides, tmp_path, monkeypatch
+):
+    """T=1 on the CPU: a batch whose prompts exceed vLLM's per-step token budget (4096) is prefilled in chunks
+    by default, and a chunked seeded request crashed vLLM 0.32 ("CPU Generator does not use offset"). Each
+    prompt's sample comes from its own seed, so the batch size does not change what is sampled."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Unique prompts (duplicates are dropped) of ~45 tokens each: 200 of them are ~9000 prompt tokens.
+    words = "explain the history of rivers maps trains coffee and the moon to a curious beginner".split()  # noqa: SIM905
+    source = tmp_path / "long_prompts.jsonl"
+    with source.open("w") as f:
+        for i in range(300):
+            text = " ".join(words[(i * 7 + j * j) % len(words)] for j in range(40))
+            f.write(json.dumps({"prompt": f"{text} {i}"}) + "\n")
+    common = [o for o in tiny_config_overrides if not o.startswith("run.dir=")]
+    common += [
+        f"data.source={source}",
+        "target.dtype=float32",
+        "data.temperature=1.0",
+        "data.max_new_tokens=8",
+        "data.max_prompt_tokens=128",
+        "data.max_train_prompts=200",
+        "data.max_val_prompts=4",
+        "data.vllm_kvcache_gib=1",
+        "data.engine=vllm",
+    ]
+    for batch in (200, 40):
+        assert (
+            main(
+                [
+                    "data",
+                    "-c",
+                    CONFIG,
+                    *common,
+                    f"run.dir={tmp_path / str(batch)}",
+                    f"data.batch_size={batch}",
+                ]
+            )
+            == 0
+        )
+    one_batch = [dict(r) for r in load_split_dataset(tmp_path / "200", "train")]
+    prompt_tokens = sum(r["loss_mask"].index(1) for r in one_batch)
+    assert prompt_tokens > 4096, f"the batch's prompts ({prompt_tokens} tokens) must exceed the step budget"
+    five_batches = [dict(r) for r in load_split_dataset(tmp_path / "40", "train")]
+    assert [r["prompt_id"] for r in one_batch] == [r["prompt_id"] for r in five_batches]
+    same = sum(a["input_ids"] == b["input_ids"] for a, b in zip(one_batch, five_batches, strict=True))
+    assert same >= 0.9 * len(one_batch), f"only {same}/{len(one_batch)} samples equal across batch sizes"

@@ -29,6 +29,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Tokens per engine step when prefill is not chunked: vLLM's own CPU default with chunking.
+UNCHUNKED_TOKEN_BUDGET = 4096
+
+
+def _seeded_sampling_on_cpu(job: dict[str, Any]) -> bool:
+    """Sampled (T > 0) responses get per-request seeds (`_sampling_params`); does this engine run on the CPU?"""
+    if float(job["sampling"]["temperature"]) == 0.0:
+        return False
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
 
 def _sampling_params(job: dict[str, Any], seed: int | None) -> Any:
     from vllm import SamplingParams
@@ -62,6 +74,13 @@ def _build_llm(job: dict[str, Any]) -> Any:
     if job["sampling"].get("logprobs"):
         # vLLM caps returned log-probs at 20 per token unless told otherwise.
         kwargs["max_logprobs"] = int(job["sampling"]["logprobs"])
+    if _seeded_sampling_on_cpu(job):
+        # A seeded request whose prompt is prefilled in chunks has its generator rewound after each partial
+        # step (`set_offset`), which CPU generators do not support: vLLM 0.32 dies with "CPU Generator does
+        # not use offset" once a batch's prompts exceed the step's token budget. Whole-prompt prefill never
+        # rewinds; the budget still covers the longest request.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(int(job["max_model_len"]), UNCHUNKED_TOKEN_BUDGET)
     if job.get("gpu_memory_utilization") is not None:
         kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
     return LLM(**kwargs)
