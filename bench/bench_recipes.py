@@ -122,13 +122,21 @@ def ensure_variant_data(data_dir: Path, variant_dir: Path, overrides: list[str])
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
-def link_split(data: Path, source: Path, relative: str) -> None:
-    """`data/relative` as a link to `source/data/relative` (absent in the source: no link)."""
-    target = source / "data" / relative
-    link = data / relative
-    if target.exists() and not link.is_symlink():
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(target, target_is_directory=True)
+class RecipeDataError(ValueError):
+    """A recipe's run folder holds other data than the study gives it."""
+
+
+def ensure_link(link: Path, target: Path) -> None:
+    """`link` -> `target`, made once. Anything else already at `link` is refused: a recipe trained on other data
+    than its row names would be a wrong figure."""
+    if link.is_symlink() and link.resolve() == target.resolve():
+        return
+    if link.is_symlink() or link.exists():
+        raise RecipeDataError(
+            f"{link} is not a link to {target}: remove it, so that the recipe trains on the study's data"
+        )
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target, target_is_directory=True)
 
 
 def link_data(run_dir: Path, data_dir: Path, train_dir: Path | None) -> None:
@@ -136,17 +144,18 @@ def link_data(run_dir: Path, data_dir: Path, train_dir: Path | None) -> None:
     cache come from `train_dir` and whose validation split and cache come from `data_dir`."""
     data = run_dir / "data"
     if train_dir is None:
-        if not data.exists():
-            data.symlink_to(data_dir / "data", target_is_directory=True)
+        ensure_link(data, data_dir / "data")
         return
-    data.mkdir(exist_ok=True)
+    if data.is_symlink():
+        raise RecipeDataError(f"{data} links one data run; remove it: this recipe mixes two")
     for relative, source in (
         ("train", train_dir),
         ("topk/train", train_dir),
         ("val", data_dir),
         ("topk/val", data_dir),
     ):
-        link_split(data, source, relative)
+        if (source / "data" / relative).exists():  # no top-k cache: no link
+            ensure_link(data / relative, source / "data" / relative)
 
 
 def validations(run_dir: Path) -> list[dict[str, Any]]:
@@ -314,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.table_only:
             ensure_data(args.config, data_dir, args.train_prompts)
         study = {"steps": args.steps, "train_prompts": args.train_prompts}
-    rows = [] if args.table_only else [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
+    try:
+        rows = (
+            [] if args.table_only else [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
+        )
+    except RecipeDataError as err:
+        p.error(str(err))
     out_name = "recipes" if args.data_run is None else f"recipes-{data_dir.name}"
     rows = merge_with_saved(args.out_dir / f"{out_name}.json", rows, study)
     rows = [with_validation(r, work / r["recipe"]) for r in rows]

@@ -191,3 +191,28 @@ def test_a_data_variant_trains_on_its_own_responses_and_validates_on_the_shared_
     calls.clear()
     (out / "work" / "recipes-demo" / "pard4-lr4e-3-data-t1" / "train").rename(tmp_path / "old-train")
     assert bench_recipes.main(args) == 0
+
+
+def test_a_recipe_folder_with_data_of_its_own_is_refused(tmp_path: Path, monkeypatch, capsys):
+    """A run folder whose `data` is not the study's (another command generated data there) would train the row
+    on other data than it names: refused with exit 2 before any training."""
+    demo = tmp_path / "demo"
+    (demo / "data" / "val").mkdir(parents=True)
+    (demo / "data" / "manifest.json").write_text("{}")
+    out = tmp_path / "out"
+    own = out / "work" / "recipes-demo" / "pard4-lr4e-3" / "data"
+    own.mkdir(parents=True)
+    monkeypatch.setattr(bench_recipes.subprocess, "run", lambda *a, **k: pytest.fail("nothing may run"))
+    args = ["--recipes", "pard4-lr4e-3", "--data-run", str(demo), "--out-dir", str(out)]
+    with pytest.raises(SystemExit) as exit_info:
+        bench_recipes.main(args)
+    assert exit_info.value.code == 2
+    assert f"{own} is not a link to {demo.resolve() / 'data'}" in capsys.readouterr().err
+    # The same for a data-variant recipe whose folder links the shared data run as a whole.
+    variant = out / "work" / "recipes-demo" / "pard4-lr4e-3-data-t1"
+    variant.mkdir()
+    (variant / "data").symlink_to(demo / "data", target_is_directory=True)
+    monkeypatch.setattr(bench_recipes, "ensure_variant_data", lambda *a: None)
+    with pytest.raises(SystemExit):
+        bench_recipes.main(["--recipes", "pard4-lr4e-3-data-t1", *args[2:]])
+    assert "this recipe mixes two" in capsys.readouterr().err
