@@ -59,27 +59,42 @@ def test_recipes_run_one_at_a_time_make_one_table(tmp_path: Path):
     assert bench_recipes.merge_with_saved(tmp_path / "none.json", fresh, study) == fresh
 
 
+def fake_distill(calls: list[list[str]], check_train_data):
+    """A stand-in for `subprocess.run`: records each `distill` command; `distill data` makes the split folders,
+    `distill train` calls `check_train_data(run_dir)` and writes a one-row validation history. Other commands
+    (machine_info's git call) really run."""
+    real_run = bench_recipes.subprocess.run
+
+    def run(cmd, **kwargs):
+        if "distill" not in cmd:
+            return real_run(cmd, **kwargs)
+        calls.append(cmd)
+        run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1])
+        if cmd[3] == "data":
+            for part in ("train", "val", "topk/train", "topk/val"):
+                (run_dir / "data" / part).mkdir(parents=True, exist_ok=True)
+        else:
+            check_train_data(run_dir)
+            (run_dir / "train").mkdir()
+            hist = [{"step": 300, "top1_agreement": 0.3, "accept_len": {"1": 1.3}}]
+            (run_dir / "train" / "val_history.json").write_text(json.dumps(hist))
+        return type("Done", (), {"returncode": 0})()
+
+    return run
+
+
 def test_a_finished_runs_data_is_trained_on_in_place(tmp_path: Path, monkeypatch):
     """--data-run: every recipe's run folder links that run's data; nothing is generated; its own table."""
     demo = tmp_path / "demo"
     (demo / "data").mkdir(parents=True)
     (demo / "data" / "manifest.json").write_text("{}")
     calls: list[list[str]] = []
-    real_run = bench_recipes.subprocess.run
 
-    def fake_train(cmd, **kwargs):
-        if "distill" not in cmd:  # machine_info's git call
-            return real_run(cmd, **kwargs)
-        calls.append(cmd)
-        run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1])
+    def check_train_data(run_dir: Path) -> None:
         assert (run_dir / "data").resolve() == (demo / "data").resolve()
-        (run_dir / "train").mkdir()
-        hist = [{"step": 300, "top1_agreement": 0.3, "accept_len": {"1": 1.3}}]
-        (run_dir / "train" / "val_history.json").write_text(json.dumps(hist))
-        return type("Done", (), {"returncode": 0})()
 
     monkeypatch.setattr(bench_recipes, "ensure_data", lambda *a: pytest.fail("no data run may be built"))
-    monkeypatch.setattr(bench_recipes.subprocess, "run", fake_train)
+    monkeypatch.setattr(bench_recipes.subprocess, "run", fake_distill(calls, check_train_data))
     out = tmp_path / "out"
     args = ["--recipes", "pard4-layers-first-last", "--data-run", str(demo), "--out-dir", str(out)]
     assert bench_recipes.main(args) == 0
@@ -155,29 +170,16 @@ def test_a_data_variant_trains_on_its_own_responses_and_validates_on_the_shared_
     (demo / "data" / "manifest.json").write_text("{}")
     (demo / "config.yaml").write_text("run: {}\n")
     calls: list[list[str]] = []
-    real_run = bench_recipes.subprocess.run
 
-    def fake_distill(cmd, **kwargs):
-        if "distill" not in cmd:  # machine_info's git call
-            return real_run(cmd, **kwargs)
-        calls.append(cmd)
-        run_dir = Path(next(a for a in cmd if a.startswith("run.dir=")).split("=", 1)[1])
-        if cmd[3] == "data":
-            for part in ("train", "val", "topk/train", "topk/val"):
-                (run_dir / "data" / part).mkdir(parents=True, exist_ok=True)
-        else:
-            data = run_dir / "data"
-            variant = (run_dir.parent / f"data-{run_dir.name}" / "data").resolve()
-            assert (data / "train").resolve() == variant / "train"
-            assert (data / "topk" / "train").resolve() == variant / "topk" / "train"
-            assert (data / "val").resolve() == (demo / "data" / "val").resolve()
-            assert (data / "topk" / "val").resolve() == (demo / "data" / "topk" / "val").resolve()
-            (run_dir / "train").mkdir()
-            hist = [{"step": 300, "top1_agreement": 0.3, "accept_len": {"1": 1.3}}]
-            (run_dir / "train" / "val_history.json").write_text(json.dumps(hist))
-        return type("Done", (), {"returncode": 0})()
+    def check_train_data(run_dir: Path) -> None:
+        data = run_dir / "data"
+        variant = (run_dir.parent / f"data-{run_dir.name}" / "data").resolve()
+        assert (data / "train").resolve() == variant / "train"
+        assert (data / "topk" / "train").resolve() == variant / "topk" / "train"
+        assert (data / "val").resolve() == (demo / "data" / "val").resolve()
+        assert (data / "topk" / "val").resolve() == (demo / "data" / "topk" / "val").resolve()
 
-    monkeypatch.setattr(bench_recipes.subprocess, "run", fake_distill)
+    monkeypatch.setattr(bench_recipes.subprocess, "run", fake_distill(calls, check_train_data))
     out = tmp_path / "out"
     args = ["--recipes", "pard4-lr4e-3-data-t1", "--data-run", str(demo), "--out-dir", str(out)]
     assert bench_recipes.main(args) == 0
