@@ -151,7 +151,7 @@ def cache_sizes(run_dir: Path, ks: list[int], codecs: list[str], max_rows: int) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=52, help="train prompts that fit (the 52 of the first 64)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--dtype", default="float32")

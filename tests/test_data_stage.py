@@ -235,6 +235,135 @@ def test_partial_data_with_another_config_refuses(base, monkeypatch, capsys):
     assert "data.overwrite" in capsys.readouterr().err
 
 
+def _crash_after(monkeypatch, n: int) -> None:
+    real_write = store.write_chunk
+    calls = {"n": 0}
+
+    def crash(*args, **kwargs):
+        if calls["n"] == n:
+            raise RuntimeError("simulated crash")
+        calls["n"] += 1
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "write_chunk", crash)
+
+
+def test_prompts_edited_in_place_are_refused_partial_or_complete(base, prompts_file, monkeypatch, capsys):
+    """The config names the prompt file, not its contents: resuming after an edit must not pair the old
+    chunks' responses with the new prompts (nor call a build of the old prompts complete)."""
+    from distill.prompts.sources import load_prompts, prompt_id, split_of
+
+    original = prompts_file.read_text()
+    extra = next(  # a new prompt that lands in the train split (prompts of the test split change nothing)
+        f"An extra prompt added later, number {i}"
+        for i in range(100)
+        if split_of(
+            prompt_id([{"role": "user", "content": f"An extra prompt added later, number {i}"}]), 0.1, 0.1
+        )
+        == "train"
+    )
+    extra_line = json.dumps({"prompt": extra}) + "\n"
+    _crash_after(monkeypatch, 2)
+    assert run_data(base) == 1
+    monkeypatch.undo()
+    prompts_file.write_text(extra_line + original)
+    assert run_data(base) == 2
+    err = capsys.readouterr().err
+    assert "data.source" in err and "data.overwrite=true" in err and "Traceback" not in err
+    prompts_file.write_text(original)
+    assert run_data(base) == 0  # restored: the partial build resumes
+    prompts_file.write_text(extra_line + original)
+    capsys.readouterr()
+    assert run_data(base) == 2
+    assert "not the ones" in capsys.readouterr().err
+    assert run_data([*base, "data.overwrite=true"]) == 0
+    ids = {r["prompt_id"] for split in ("train", "val") for r in rows(run_dir_of(base), split)}
+    assert prompt_id([{"role": "user", "content": extra}]) in ids
+    expected = {r.prompt_id for r in load_prompts(str(prompts_file)).records}
+    assert ids == {pid for pid in expected if split_of(pid, 0.1, 0.1) != "test"}
+
+
+def test_a_run_that_failed_before_any_chunk_does_not_block_the_corrected_config(base, monkeypatch, capsys):
+    """A first attempt that stopped before its first chunk left only its plan (job.json): no data to protect,
+    so the corrected config goes ahead instead of being told to set data.overwrite."""
+    from distill.data import stage
+
+    def engine_fails(*args, **kwargs):
+        raise RuntimeError("simulated engine failure")
+
+    monkeypatch.setattr(stage, "generate_hf", engine_fails)
+    assert run_data([*base, "data.max_new_tokens=8"]) == 1
+    assert (run_dir_of(base) / "data" / "work" / "job.json").is_file()
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert run_data(base) == 0, capsys.readouterr().err
+
+
+def test_target_folder_without_loadable_weights_is_exit_2_and_writes_nothing(base, tmp_path, capsys):
+    from distill.models.resolve import resolve_model
+
+    target = resolve_model(next(o.split("=", 1)[1] for o in base if o.startswith("target.model=")), key="t")
+    broken = tmp_path / "broken_target"
+    shutil.copytree(target, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])  # a copy cut short
+    overrides = [o for o in base if not o.startswith("target.model=")]
+    assert run_data([*overrides, f"target.model={broken}"]) == 2
+    err = capsys.readouterr().err
+    assert "target.model" in err and "model.safetensors" in err
+    weights.unlink()
+    (broken / "pytorch_model.bin").write_bytes(b"pickle")
+    assert run_data([*overrides, f"target.model={broken}"]) == 2
+    assert "safetensors" in capsys.readouterr().err
+    assert not run_dir_of(base).exists()
+
+
+def test_limits_count_prompts_that_fit(base, tmp_path, prompts_file):
+    """data.max_train_prompts is the number of prompts used, found past the ones too long to keep."""
+    long_ones = "".join(json.dumps({"prompt": f"long {i} " + "word " * 200}) + "\n" for i in range(30))
+    src = tmp_path / "mixed.jsonl"
+    src.write_text(long_ones + prompts_file.read_text())
+    overrides = [o for o in base if not o.startswith("data.source=")]
+    overrides += [f"data.source={src}", "data.max_train_prompts=10", "data.max_prompt_tokens=120"]
+    assert run_data(overrides) == 0
+    manifest = json.loads(manifest_path(run_dir_of(base)).read_text())
+    train = manifest["splits"]["train"]
+    assert train["prompts_used"] == 10 and train["prompts_loaded"] == 10 + train["skipped"].get("too_long", 0)
+
+
+def test_several_greedy_responses_per_prompt_are_refused(base, capsys):
+    assert run_data([*base, "data.responses_per_prompt=2"]) == 2
+    assert "data.temperature" in capsys.readouterr().err
+    assert not run_dir_of(base).exists()
+    assert (
+        run_data([*base, "data.responses_per_prompt=2", "data.temperature=1.0", "data.max_new_tokens=4"]) == 0
+    )
+
+
+def test_a_chat_template_that_refuses_the_system_turn_names_the_key(base, tmp_path, capsys):
+    from distill.models.resolve import resolve_model
+
+    target = resolve_model(next(o.split("=", 1)[1] for o in base if o.startswith("target.model=")), key="t")
+    model = tmp_path / "no_system"
+    shutil.copytree(target, model)
+    template = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    (model / "chat_template.jinja").write_text(template)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    overrides = [o for o in base if not o.startswith("target.model=")]
+    assert run_data([*overrides, f"target.model={model}", "data.system_prompt=Be brief."]) == 2
+    err = capsys.readouterr().err
+    assert "data.system_prompt" in err and "System role not supported" in err and "Traceback" not in err
+    assert not run_dir_of(base).exists()
+
+
+def test_no_dataset_responses_names_data_responses(base, capsys):
+    assert run_data([*base, "data.responses=dataset"]) == 2
+    err = capsys.readouterr().err
+    assert "error: data.responses: all" in err and "no_dataset_response" in err
+
+
 def test_topk_cache_matches_a_fresh_forward_pass(base, tiny_target_dir):
     k = 16
     assert run_data([*base, f"data.logits.top_k={k}", "data.logits.batch_size=3"]) == 0

@@ -15,6 +15,7 @@ from distill.prompts.sources import (
     load_prompts,
     load_split,
     normalise,
+    prompt_id,
     read_sharegpt,
     split_of,
     split_prompts,
@@ -44,7 +45,8 @@ def test_jsonl_prompt_field_and_dedup(tmp_path):
         ],
     )
     ps = load_prompts(str(p))
-    assert [r.messages[-1]["content"] for r in ps.records] == ["Hello world", "Second prompt"]
+    # Duplicates are found on the normalised text; the first one is kept as written.
+    assert [r.messages[-1]["content"] for r in ps.records] == ["Hello  world", "Second\t\tprompt"]
     assert ps.read == 4 and ps.skipped == {"duplicate": 1, "empty_or_no_user_turn": 1}
     assert all(r.messages[-1]["role"] == "user" for r in ps.records)
 
@@ -121,6 +123,21 @@ def test_bad_inputs_name_the_file(tmp_path, setup, match):
     src = setup(tmp_path)
     with pytest.raises(InputError, match=match):
         load_prompts(src, key="data.source")
+
+
+def test_file_prompts_keep_their_layout_and_their_normalised_id(tmp_path):
+    code = "Fix this:\r\n\r\ndef f(x):\r\n    if x:\r\n        return 1   \r\n    return 2\r\n"
+    p = _write_jsonl(tmp_path / "code.jsonl", [{"prompt": code}])
+    rec = load_prompts(str(p)).records[0]
+    assert rec.messages[0]["content"] == "Fix this:\n\ndef f(x):\n    if x:\n        return 1\n    return 2"
+    # The id (split, de-duplication) is the normalised text's, as before layout was kept.
+    assert rec.prompt_id == prompt_id([{"role": "user", "content": normalise(code)}])
+
+
+def test_csv_row_with_more_fields_than_the_header_names_the_line(tmp_path):
+    p = _w(tmp_path / "ragged.csv", "question\nfine\nhello,world\n")
+    with pytest.raises(InputError, match=r"ragged.csv:3: 2 fields where the header has 1"):
+        load_prompts(p, prompt_field="question")
 
 
 def test_missing_configured_field_names_the_key(tmp_path):

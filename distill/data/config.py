@@ -29,7 +29,8 @@ class LogitsConfig:
 class DataConfig:
     source: str = opt(
         "sharegpt",
-        "Prompt source: built-in alias `sharegpt`, or a path to jsonl/json/parquet/csv or a saved `datasets` folder.",
+        "Prompt source: built-in alias `sharegpt`, or a path to jsonl/json/parquet/csv or a saved `datasets` folder. "
+        "Prompts from files keep their layout (indentation, spacing); ShareGPT's are whitespace-normalised.",
     )
     prompt_field: str = opt(
         "auto",
@@ -40,8 +41,14 @@ class DataConfig:
     test_fraction: float = opt(
         0.02, "Share of prompts (by text hash) in the `test` split (used by eval).", ge=0.0, lt=1.0
     )
-    max_train_prompts: int = opt(2000, "Train prompts to use (0 = all).", ge=0)
-    max_val_prompts: int = opt(100, "Validation prompts to use (0 = all).", ge=0)
+    max_train_prompts: int = opt(
+        2000,
+        "Train prompts to use (0 = all): the first this many, in a fixed order, that fit data.max_prompt_tokens.",
+        ge=0,
+    )
+    max_val_prompts: int = opt(
+        100, "Validation prompts to use (0 = all), chosen like data.max_train_prompts.", ge=0
+    )
     max_prompt_tokens: int = opt(256, "Prompts longer than this (after the chat template) are skipped.", ge=1)
     max_new_tokens: int = opt(128, "Response length cap when the target generates.", ge=1)
     temperature: float = opt(0.0, "Target sampling temperature for responses (0 = greedy).", ge=0.0)
@@ -103,4 +110,10 @@ class DataConfig:
             out.append(f"shard_index: {self.shard_index} must be < data.num_shards ({self.num_shards}).")
         if self.val_fraction + self.test_fraction >= 1.0:
             out.append("val_fraction: val_fraction + test_fraction must leave room for a train split (< 1).")
+        if self.responses_per_prompt > 1 and self.temperature == 0 and self.responses == "generate":
+            # Greedy decoding writes the same response every time: copies would only weigh prompts twice.
+            out.append(
+                f"responses_per_prompt: {self.responses_per_prompt} responses per prompt need sampling; set "
+                "data.temperature > 0 (e.g. 1.0) or data.responses_per_prompt=1."
+            )
         return out

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 from distill.data.config import DataConfig
 from distill.errors import InputError
 from distill.prompts.sources import PromptRecord, load_prompts, split_prompts
@@ -25,7 +27,7 @@ class Prompt:
 class SplitPrompts:
     split: str
     prompts: list[Prompt]  # usable prompts of the whole split (all shards), in a stable order
-    loaded: int  # prompts of the split after the limit, before filtering
+    loaded: int  # prompts of the split read to fill the limit (usable + skipped)
     skipped: dict[str, int] = field(default_factory=dict)
     in_split: int = 0  # prompts of the source in this split, before the limit
 
@@ -63,8 +65,27 @@ def prompt_token_ids(tok: Any, rec: PromptRecord, system_prompt: str | None) -> 
     messages = list(rec.messages)
     if system_prompt and not (messages and messages[0].get("role") == "system"):
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # templates may refuse a conversation, e.g. "System role not supported"
+        raise _template_refusal(rec, messages, system_prompt, exc) from None
     return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _template_refusal(
+    rec: PromptRecord, messages: list[dict[str, str]], system_prompt: str | None, exc: Exception
+) -> InputError:
+    has_system = any(m.get("role") == "system" for m in messages)
+    key = "data.system_prompt" if system_prompt else "data.source"
+    fix = (
+        "unset data.system_prompt (or drop the system turns from the source)"
+        if has_system
+        else "give prompts this template accepts, or another target.model"
+    )
+    roles = "/".join(m.get("role", "?") for m in messages)
+    return InputError(
+        f"{key}: the target's chat template rejects prompt {rec.prompt_id} (turns {roles}): {exc}. Fix: {fix}."
+    )
 
 
 def _limit(cfg: DataConfig, split: str) -> int:
@@ -82,9 +103,11 @@ def load_splits(cfg: DataConfig, tok: Any) -> tuple[dict[str, SplitPrompts], Sou
     for split in SPLITS:
         chosen = sorted(by_split[split], key=lambda r: r.prompt_id)
         limit = _limit(cfg, split)
-        chosen = chosen[:limit] if limit else chosen
-        sp = SplitPrompts(split, [], len(chosen), in_split=len(by_split[split]))
+        sp = SplitPrompts(split, [], 0, in_split=len(by_split[split]))
         for rec in chosen:
+            if limit and len(sp.prompts) >= limit:  # the limit counts usable prompts, as the eval's does
+                break
+            sp.loaded += 1
             if cfg.responses == "dataset" and not rec.response:
                 sp.skipped["no_dataset_response"] = sp.skipped.get("no_dataset_response", 0) + 1
                 continue
@@ -114,14 +137,24 @@ def _check_not_empty(cfg: DataConfig, train: SplitPrompts) -> None:
             f"test_fraction={cfg.test_fraction}). Add prompts or lower data.val_fraction / data.test_fraction."
         )
     reasons = ", ".join(f"{n} {why}" for why, n in train.skipped.items())
-    fix = (
-        "raise data.max_prompt_tokens"
-        if "too_long" in train.skipped
-        else "use data.responses=generate or a source with responses (data.response_field)"
-    )
-    raise InputError(
-        f"data.max_prompt_tokens: all {train.loaded} train prompts were skipped ({reasons}); {fix}."
-    )
+    if "too_long" in train.skipped:
+        key, fix = "data.max_prompt_tokens", "raise data.max_prompt_tokens"
+    else:
+        key, fix = (
+            "data.responses",
+            "use data.responses=generate or a source with responses (data.response_field)",
+        )
+    raise InputError(f"{key}: all {train.loaded} train prompts were skipped ({reasons}); {fix}.")
+
+
+def prompts_fingerprint(splits: dict[str, SplitPrompts]) -> str:
+    """Hash of the prompts a build answers (ids, token ids, dataset responses, per split, in order): a prompt
+    file edited in place changes it while the config, which names only the file, stays the same."""
+    h = hashlib.sha256()
+    for split in SPLITS:
+        for p in splits[split].prompts:
+            h.update(f"{split}\t{p.prompt_id}\t{p.token_ids}\t{p.response!r}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def shard_slice(n: int, shard_index: int, num_shards: int) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from distill.data.prepare import (
     SplitPrompts,
     chunks_of,
     load_splits,
+    prompts_fingerprint,
     require_chat_template,
     shard_slice,
     tokenizer_hash,
@@ -58,6 +59,7 @@ class Context:
     tok: Any
     engine: str  # "vllm" | "hf" | "dataset"
     data_hash: str
+    prompts_hash: str
     base: Path
     clock: store.WallClock
     model: Any = None  # the target in transformers, loaded on first need
@@ -124,16 +126,19 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
-def existing_state(cfg: Config, dhash: str) -> str:
+def existing_state(cfg: Config, dhash: str, prompts_hash: str | None = None) -> str:
     """'none', 'partial' (same config), 'complete' (same config, finished, outputs intact), 'damaged' (the
-    manifest says complete but a split or cache folder is missing or broken) or 'stale' (another config and
-    data.overwrite); raises on another config without data.overwrite."""
+    manifest says complete but a split or cache folder is missing or broken) or 'stale' (another config, or
+    other prompts under the same config, and data.overwrite); raises on those without data.overwrite.
+    `prompts_hash` (`prompts_fingerprint`; None = not checked) is compared where the build recorded one."""
     run_dir = cfg.run_dir
     manifest = store.read_manifest(run_dir)
     previous: dict[str, Any] | None = None
     state = "none"
     if manifest is not None:
         if manifest.get("config_hash") == dhash:
+            if _other_prompts(manifest, prompts_hash):
+                return _prompts_changed(cfg, manifest_path(run_dir).parent)
             problem = store.check_outputs(run_dir, manifest)
             if problem is None:
                 return "complete"
@@ -149,9 +154,13 @@ def existing_state(cfg: Config, dhash: str) -> str:
             data_dir(run_dir).glob("shards/*/job.json")
         ):
             rec = read_json(job)
+            if not _has_work(job.parent):
+                continue  # a run that failed before its first chunk: nothing to protect
             if rec.get("config_hash") != dhash:
                 previous = rec.get("config")
                 break
+            if _other_prompts(rec, prompts_hash):
+                return _prompts_changed(cfg, job.parent)
             state = "partial"
     if previous is None:
         return state
@@ -162,6 +171,28 @@ def existing_state(cfg: Config, dhash: str) -> str:
         f"data.overwrite: {data_dir(run_dir)} holds data built with a different config ({changes}). Refusing to "
         "mix them: set data.overwrite=true to discard the old data, or use another run.dir."
     )
+
+
+def _other_prompts(record: dict[str, Any], prompts_hash: str | None) -> bool:
+    recorded = record.get("prompts_sha256")  # builds before 2026-12-06 recorded none
+    return prompts_hash is not None and recorded is not None and recorded != prompts_hash
+
+
+def _prompts_changed(cfg: Config, where: Path) -> str:
+    if cfg.data.overwrite:
+        return "stale"
+    raise InputError(
+        f"data.source: the prompts of '{cfg.data.source}' (after the split, limits and chat template) are not "
+        f"the ones {where} was built from, though the config is the same: its responses answer the old "
+        "prompts. Restore the source, set data.overwrite=true to discard that data and rebuild, or use "
+        "another run.dir."
+    )
+
+
+def _has_work(base: Path) -> bool:
+    """Whether a job folder holds generated or assembled chunks (its job.json alone is only a plan)."""
+    chunks = base / "chunks"
+    return any((base / "gen").glob("*.json")) or (chunks.is_dir() and any(chunks.iterdir()))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -189,6 +220,7 @@ def write_job(
         {
             "config_hash": ctx.data_hash,
             "config": output_config(ctx.cfg),
+            "prompts_sha256": ctx.prompts_hash,
             "shard_index": ctx.d.shard_index,
             "num_shards": ctx.d.num_shards,
             "source": source.to_json(),
@@ -538,6 +570,7 @@ def merge(cfg: Config, dhash: str, *, engine: str, tok_hash: str) -> dict[str, A
     return {
         "config_hash": dhash,
         "config": output_config(cfg),
+        "prompts_sha256": jobs[0].get("prompts_sha256"),
         "target": cfg.target.model,
         "tokenizer_hash": tok_hash,
         "engine": engine,
@@ -614,9 +647,11 @@ def print_summary(manifest: dict[str, Any], run_dir: Path) -> None:
 
 def _validate(cfg: Config) -> tuple[Path, Any, str]:
     from distill.models.draft import load_tokenizer
-    from distill.models.resolve import resolve_model
+    from distill.models.resolve import require_weights, resolve_model
 
     target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
+    if cfg.data.responses == "generate" or cfg.data.logits.top_k:  # the target's weights will be loaded
+        require_weights(target_dir, key="target.model")
     tok = load_tokenizer(target_dir, trust_remote_code=cfg.target.trust_remote_code)
     require_chat_template(tok, cfg.target.model)
     if tok.eos_token_id is None:
@@ -670,14 +705,14 @@ def _already_complete(cfg: Config) -> None:
         mark_complete(cfg, "data", {"manifest": str(manifest_path(cfg.run_dir))})
 
 
-def _discard_damaged(cfg: Config, dhash: str) -> str:
+def _discard_damaged(cfg: Config, dhash: str, prompts_hash: str | None = None) -> str:
     """A manifest whose outputs are gone or broken: drop it (and the completion record) so the build runs
     again; returns the state that leaves ('partial' when work folders survived, else 'none')."""
     from distill.rundir import clear_complete
 
     manifest_path(cfg.run_dir).unlink(missing_ok=True)
     clear_complete(cfg, "data")
-    return existing_state(cfg, dhash)
+    return existing_state(cfg, dhash, prompts_hash)
 
 
 def _lock_path(cfg: Config) -> Path:
@@ -749,23 +784,25 @@ def run(cfg: Config) -> int:
     dhash = data_hash(cfg)
     if cfg.data.merge:
         return run_merge_only(cfg, dhash, target_dir, tok, engine, t0)
-    state = existing_state(cfg, dhash)
+    # The prompts are read even when the build looks complete: an edited prompt file must not pass for it.
+    splits, source = load_splits(cfg.data, tok)
+    phash = prompts_fingerprint(splits)
+    state = existing_state(cfg, dhash, phash)
     if state == "complete":
         _already_complete(cfg)
         print(
-            f"data: {data_dir(cfg.run_dir)} is already complete for this config; nothing to do "
-            "(set data.overwrite=true to rebuild)."
+            f"data: {data_dir(cfg.run_dir)} is already complete for this config and these prompts; nothing to "
+            f"do (delete {data_dir(cfg.run_dir)} to rebuild it)."
         )
         return 0
-    splits, source = load_splits(cfg.data, tok)
     start_stage(cfg, "data")
     if state == "damaged":
-        state = _discard_damaged(cfg, dhash)
+        state = _discard_damaged(cfg, dhash, phash)
     if state == "stale":
         log.warning("data.overwrite=true: removing %s built with another config", data_dir(cfg.run_dir))
         shutil.rmtree(data_dir(cfg.run_dir), ignore_errors=True)
     base = store.work_dir(cfg.run_dir, cfg.data.shard_index, cfg.data.num_shards)
-    ctx = Context(cfg, target_dir, tok, engine, dhash, base, store.WallClock(base, t0))
+    ctx = Context(cfg, target_dir, tok, engine, dhash, phash, base, store.WallClock(base, t0))
     for sub in (base, base / "gen", base / "chunks"):
         remove_stale_temporaries(sub)
     chunks = plan(ctx, splits)

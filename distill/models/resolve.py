@@ -77,3 +77,37 @@ def _from_hub(ref: str, *, key: str, revision: str | None, allow_download: bool)
         if type(exc).__name__ in ("RepositoryNotFoundError", "RevisionNotFoundError", "GatedRepoError"):
             raise InputError(f"{key}: hub repository '{ref}' not found or not accessible ({exc}).") from exc
         raise _offline_error(ref, key) from exc
+
+
+def weights_problem(folder: Path) -> str | None:
+    """Why `folder`'s weights cannot load (None when they look complete): no weight file, or a safetensors
+    file whose header is unreadable or promises more bytes than the file holds (a copy cut short). Reads the
+    headers only, so it is cheap enough to run before any work starts."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+            # Pickled weights can run code when loaded: distill loads safetensors only.
+            return (
+                "holds pickled weights (*.bin) only; distill loads safetensors. Convert them once: "
+                "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`"
+            )
+        return "holds no weights (*.safetensors)"
+    for f in files:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except Exception as exc:  # SafetensorError, OSError: both mean the file cannot be loaded
+            return f"has an unreadable weight file {f.name} ({exc})"
+    return None
+
+
+def require_weights(folder: Path, *, key: str) -> None:
+    """`InputError` naming `key` when the model folder's weights are missing or damaged."""
+    problem = weights_problem(folder)
+    if problem:
+        raise InputError(
+            f"{key}: the model folder {folder} {problem}. Copy the model again (config.json, *.safetensors, "
+            f"tokenizer files) or point {key} at a complete folder."
+        )

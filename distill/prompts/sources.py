@@ -66,6 +66,12 @@ def normalise(text: str) -> str:
     return text.strip()
 
 
+def tidy(text: str) -> str:
+    """Unify line endings, drop trailing spaces and outer blank lines; indentation and inner spacing stay."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip("\n")
+
+
 def prompt_id(messages: list[dict[str, str]]) -> str:
     payload = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
@@ -85,6 +91,10 @@ def split_of(pid: str, val_fraction: float, test_fraction: float) -> str:
 # Turning raw records into PromptRecords
 
 
+def _keys(rec: dict[Any, Any]) -> list[str]:
+    return sorted(str(k) for k in rec)
+
+
 def _chat_from_list(turns: list[Any], where: str) -> tuple[list[dict[str, str]], str | None]:
     """Prompt = turns up to and including the first user turn; response = the assistant turn after it."""
     messages: list[dict[str, str]] = []
@@ -97,10 +107,10 @@ def _chat_from_list(turns: list[Any], where: str) -> tuple[list[dict[str, str]],
         role = _ROLE_ALIASES.get(str(role).lower()) if role is not None else None
         if role is None or not isinstance(content, str):
             raise InputError(
-                f"{where}: turn {i} needs role/content (or from/value) strings; got keys {sorted(turn)}."
+                f"{where}: turn {i} needs role/content (or from/value) strings; got keys {_keys(turn)}."
             )
         if role == "user":
-            messages.append({"role": "user", "content": normalise(content)})
+            messages.append({"role": "user", "content": content})
             nxt = turns[i + 1] if i + 1 < len(turns) else None
             if isinstance(nxt, dict):
                 nrole = _ROLE_ALIASES.get(str(nxt.get("role", nxt.get("from"))).lower())
@@ -109,13 +119,15 @@ def _chat_from_list(turns: list[Any], where: str) -> tuple[list[dict[str, str]],
                     response = ncontent.strip()
             break
         if role == "system":
-            messages.append({"role": "system", "content": normalise(content)})
+            messages.append({"role": "system", "content": content})
     if not messages or messages[-1]["role"] != "user":
         return [], None
     return messages, response
 
 
-def _record_to_prompt(rec: Any, *, prompt_field: str, response_field: str, where: str) -> PromptRecord | None:
+def _record_to_prompt(
+    rec: Any, *, prompt_field: str, response_field: str, where: str, keep_layout: bool = True
+) -> PromptRecord | None:
     if not isinstance(rec, dict):
         raise InputError(f"{where}: expected an object with a prompt field, got {type(rec).__name__}.")
     if prompt_field == "auto":
@@ -123,19 +135,19 @@ def _record_to_prompt(rec: Any, *, prompt_field: str, response_field: str, where
         if not names:
             raise InputError(
                 f"{where}: no prompt field (looked for prompt, messages, conversations, text; found "
-                f"{sorted(rec)}). Set data.prompt_field (or eval.prompt_field) to the right key."
+                f"{_keys(rec)}). Set data.prompt_field (or eval.prompt_field) to the right key."
             )
         name = names[0]
     else:
         name = prompt_field
         if name not in rec:
-            raise InputError(f"{where}: field '{name}' missing (found {sorted(rec)}). Fix data.prompt_field.")
+            raise InputError(f"{where}: field '{name}' missing (found {_keys(rec)}). Fix data.prompt_field.")
     value = rec[name]
     response = None
     if isinstance(value, list):
         messages, response = _chat_from_list(value, where)
     elif isinstance(value, str):
-        messages = [{"role": "user", "content": normalise(value)}] if value.strip() else []
+        messages = [{"role": "user", "content": value}]
     elif value is None:
         messages = []
     else:
@@ -148,13 +160,25 @@ def _record_to_prompt(rec: Any, *, prompt_field: str, response_field: str, where
     if rf:
         if rf not in rec:
             raise InputError(
-                f"{where}: response field '{rf}' missing (found {sorted(rec)}). Fix data.response_field."
+                f"{where}: response field '{rf}' missing (found {_keys(rec)}). Fix data.response_field."
             )
         if isinstance(rec[rf], str):
             response = rec[rf].strip()
-    if not messages or not messages[-1]["content"]:
+    return _prompt_record(messages, response, keep_layout)
+
+
+def _prompt_record(
+    messages: list[dict[str, str]], response: str | None, keep_layout: bool
+) -> PromptRecord | None:
+    """The record the target sees: `keep_layout` keeps indentation and spacing (code, tables); otherwise the
+    text is `normalise`d. The id, which decides the split and de-duplication, always hashes the normalised
+    text: it does not change with the layout choice, so a prompt keeps its split."""
+    clean = tidy if keep_layout else normalise
+    shown = [{"role": m["role"], "content": clean(m["content"])} for m in messages]
+    if not shown or not shown[-1]["content"]:
         return None
-    return PromptRecord(prompt_id(messages), messages, response)
+    canonical = [{"role": m["role"], "content": normalise(m["content"])} for m in messages]
+    return PromptRecord(prompt_id(canonical), shown, response)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,8 +278,15 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _read_csv(path: Path) -> Iterator[tuple[str, Any]]:
     text = decode_utf8(path, path.read_bytes())
-    for i, row in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
-        yield f"{path}:{i + 2}", dict(row)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    for row in reader:
+        where = f"{path}:{reader.line_num}"
+        if None in row:  # DictReader files the fields past the header's under the key None
+            raise InputError(
+                f"{where}: {len(reader.fieldnames or []) + len(row[None])} fields where the header has "
+                f"{len(reader.fieldnames or [])}. Quote fields that contain commas, or fix that line."
+            )
+        yield where, dict(row)
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
@@ -329,7 +360,13 @@ def load_prompts(
     out = PromptSet(records, source)
     for where, raw in _raw_records(source, key):
         out.read += 1
-        rec = _record_to_prompt(raw, prompt_field=prompt_field, response_field=response_field, where=where)
+        rec = _record_to_prompt(
+            raw,
+            prompt_field=prompt_field,
+            response_field=response_field,
+            where=where,
+            keep_layout=source != "sharegpt",
+        )
         if rec is None:
             out.skipped["empty_or_no_user_turn"] = out.skipped.get("empty_or_no_user_turn", 0) + 1
             continue
