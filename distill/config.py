@@ -314,14 +314,26 @@ def _load_yaml(path: str | Path) -> DictConfig:
     return node
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line, without OmegaConf's `full_key:`/`object_type=` trailer."""
+    text = str(getattr(exc, "msg", None) or exc)
+    return " ".join(text.split("\n    full_key:")[0].split())
+
+
 def _parse_overrides(overrides: list[str]) -> DictConfig:
     for item in overrides:
         if "=" not in item:
             raise ConfigError([f"override '{item}': expected dotted.key=value (e.g. train.max_steps=10)."])
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError([f"overrides {overrides}: {exc}"]) from exc
+        try:  # one by one, so that the message names the override that does not parse
+            OmegaConf.from_dotlist([item])
+        except Exception as exc:  # yaml's ParserError/ScannerError, OmegaConf's own errors
+            raise ConfigError(
+                [
+                    f"override '{item}': the value is not valid YAML ({_one_line(exc)}). Close brackets and "
+                    "quotes, e.g. 'eval.k=[1,2]', and quote a string holding ': ' (key='\"a: b\"')."
+                ]
+            ) from None
+    return OmegaConf.from_dotlist(list(overrides))
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -341,7 +353,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "config"
-        raise ConfigError([f"{key}: {exc.msg if hasattr(exc, 'msg') else exc}"]) from exc
+        raise ConfigError([f"{key}: {_one_line(exc)}"]) from exc
     assert isinstance(cfg, Config)
     problems = _section_problems(cfg)
     if problems:

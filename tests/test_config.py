@@ -94,6 +94,21 @@ def test_bad_yaml_file(tmp_path):
     assert str(bad) in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("eval.k=[1", "override 'eval.k=[1': the value is not valid YAML"),
+        ("data.max_new_tokens=${run.name}", "data.max_new_tokens: While dereferencing interpolation"),
+        ("data.source=${oops}", "data.source: Interpolation key 'oops' not found"),
+    ],
+)
+def test_bad_override_values_are_exit_2_naming_the_override(override, needle, capsys):
+    assert main(["validate", "-c", str(REPO / "configs/tiny.yaml"), override]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert "full_key" not in err and "object_type" not in err  # OmegaConf's internals stay out
+
+
 def test_validate_prints_resolved_yaml_and_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc = main(["validate", "-c", str(REPO / "configs/smollm2-sharegpt.yaml"), "train.max_steps=3"])
