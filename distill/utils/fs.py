@@ -36,12 +36,26 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows (os.umask sets it while reading)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` to `path` so that readers see either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file private (0600); the finished file gets the mode a plain open() would give,
+        # so that a server or CI job running as another user can read releases and reports.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -84,6 +98,7 @@ def atomic_dir(final: str | os.PathLike[str], *, replace: bool = False) -> Itera
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700, widened as for atomic_write_bytes
         yield tmp
         _fsync_tree(tmp)
         if final.exists():
