@@ -52,7 +52,10 @@ def write_report(
     greedy: float = 1.0,
     complete: bool | None = None,
     with_base: bool = True,
+    speedup: float | None = 1.0,
+    min_acceptance: float | None = None,
 ) -> dict:
+    """A report of base and distilled at k = 2, 4; distilled's speedups are `speedup` + k / 10 (None: untimed)."""
     results = [
         {
             "name": "no_spec",
@@ -67,7 +70,8 @@ def write_report(
     for k in (2, 4):
         if with_base:
             results.append(_row("base", run_dir / "draft_init", k, base_acc, speedup=0.9))
-        results.append(_row("distilled", run_dir / "draft", k, ours_acc, greedy=greedy, speedup=1.0 + k / 10))
+        ours = _row("distilled", run_dir / "draft", k, ours_acc, greedy=greedy, speedup=1.0)
+        results.append(ours | {"speedup": None if speedup is None else speedup + k / 10})
     report: dict = {
         "engine": "hf",
         "engine_version": "reference",
@@ -87,6 +91,8 @@ def write_report(
     }
     if complete is not None:
         report["complete"] = complete
+    if min_acceptance is not None:
+        report["settings"] = {"min_acceptance": min_acceptance, "rejection_sample_method": "standard"}
     (run_dir / "eval").mkdir(parents=True, exist_ok=True)
     (run_dir / "eval" / "report.json").write_text(json.dumps(report))
     return report
@@ -147,9 +153,15 @@ def test_release_loads_verifies_and_carries_the_card(run_dir, overrides, tmp_pat
     assert readme.startswith("---\n") and "license:" in readme and '- "speculative-decoding"' in readme
     assert "| distilled | draft_model | 4 | 0.00 | – | autoregressive | 0.600 | 3.400 |" in readme  # measured
     assert "Engine: **hf reference**" in readme and "data/prompts/tiny.jsonl" in readme
-    spec = {"method": "draft_model", "model": str(rel.resolve()), "num_speculative_tokens": 4}
+    spec = {
+        "method": "draft_model",
+        "num_speculative_tokens": 4,
+        "model": str(rel.resolve()),
+        "draft_sample_method": "greedy",
+    }
     target = load_config(CONFIG, overrides).target.model
     assert f"vllm serve {Path(target).resolve()} --speculative-config '{json.dumps(spec)}'" in readme
+    assert "Setting: eval's recommendation, measured at **temperature 0.00**" in readme
     assert "Loss `fkl`, 60 optimizer steps" in readme and "val/expected_acceptance = 0.5500" in readme
     prov = json.loads((rel / "provenance.json").read_text())
     assert prov["release"]["version"] == "1" and prov["forced"] is False and prov["gate"]["passed"] is True
@@ -182,8 +194,9 @@ def test_parallel_draft_card_serves_parallel_drafting(run_dir, overrides, tmp_pa
     readme = (rel / "README.md").read_text()
     spec = {
         "method": "draft_model",
-        "model": str(rel.resolve()),
         "num_speculative_tokens": 4,
+        "model": str(rel.resolve()),
+        "draft_sample_method": "greedy",
         "parallel_drafting": True,
     }
     assert json.dumps(spec, indent=2) in readme and f"--speculative-config '{json.dumps(spec)}'" in readme
@@ -203,8 +216,9 @@ def test_card_parallel_setting(tmp_path):
     assert card.parallel_setting({"draft": str(draft), "parallel_drafting": False}) == (False, 6)
     assert card.parallel_setting({"draft": str(tmp_path / "missing")}) == (False, 0)
     assert card.parallel_setting(None) == (False, 0)
-    assert "parallel_drafting" not in card.speculative_config("m", 2)
-    assert card.speculative_config("m", 2, parallel=True)["parallel_drafting"] is True
+    row = {"name": "d", "method": "draft_model", "draft": str(draft), "k": 2, "temperature": 0.0}
+    assert card.speculative_config("m", row, {})["parallel_drafting"] is True  # from the draft's config
+    assert "parallel_drafting" not in card.speculative_config("m", row | {"parallel_drafting": False}, {})
 
 
 def test_tampered_release_fails_verification(run_dir, overrides, tmp_path, capsys):
@@ -255,6 +269,8 @@ def test_tag_version_and_existing_tag_refused(run_dir, overrides, tmp_path, caps
         ("no_gain", "no acceptance gain"),
         ("greedy", "greedy_match failed"),
         ("no_base", "no results for the base draft"),
+        ("slower", "not faster than the target alone at any of the 2 measured settings: best speedup 0.90x"),
+        ("untimed", "eval timed the draft at no setting"),
     ],
 )
 def test_gate_refuses_with_exit_2_and_writes_nothing(run_dir, overrides, tmp_path, capsys, case, message):
@@ -266,6 +282,10 @@ def test_gate_refuses_with_exit_2_and_writes_nothing(run_dir, overrides, tmp_pat
         write_report(run_dir, base_acc=0.6, ours_acc=0.6)
     elif case == "greedy":
         write_report(run_dir, greedy=0.75)
+    elif case == "slower":  # more acceptance than the base, but slower than no speculation at every k
+        write_report(run_dir, speedup=0.5)
+    elif case == "untimed":
+        write_report(run_dir, speedup=None)
     else:
         write_report(run_dir, with_base=False)
     before = sorted(p.name for p in run_dir.iterdir())
@@ -274,6 +294,122 @@ def test_gate_refuses_with_exit_2_and_writes_nothing(run_dir, overrides, tmp_pat
     assert message in err and "publish.force=true" in err
     assert not (tmp_path / "releases").exists()
     assert sorted(p.name for p in run_dir.iterdir()) == before  # no provenance/log written either
+
+
+def test_slow_draft_is_published_only_when_forced_and_the_card_says_why(run_dir, overrides, tmp_path):
+    write_report(run_dir, speedup=0.5)  # the reviewer's repro: 0.42x / 0.33x released with exit 0
+    assert publish(overrides) == 2
+    assert publish(overrides, "publish.force=true", "publish.force_reason=timed on a busy CPU") == 0
+    readme = (release_dir(tmp_path) / "README.md").read_text()
+    assert "not faster than the target alone" in readme and "timed on a busy CPU" in readme
+    prov = json.loads((release_dir(tmp_path) / "provenance.json").read_text())
+    assert prov["forced"] is True and prov["gate"]["best_speedup"] == pytest.approx(0.9)
+
+
+def test_faster_draft_below_min_acceptance_publishes_with_a_warning(run_dir, overrides, tmp_path, caplog):
+    """The shipped demo's case: 1.17x faster at acceptance 0.34 < eval.min_acceptance 0.5. Eval says do not
+    deploy, but the draft pays: released without force, the low acceptance a warning on the card and CLI."""
+    write_report(run_dir, base_acc=0.1, ours_acc=0.34, speedup=0.77, min_acceptance=0.5)
+    assert publish(overrides) == 0
+    readme = (release_dir(tmp_path) / "README.md").read_text()
+    warning = (
+        "acceptance 0.34 at the fastest setting (k=4, temperature 0.00) is below eval.min_acceptance 0.50, so "
+        "eval does not recommend deploying it; it is published because it is 1.17x faster"
+    )
+    assert f"> Warning: {warning}" in readme and "Published with `publish.force=true`" not in readme
+    assert warning in caplog.text
+    prov = json.loads((release_dir(tmp_path) / "provenance.json").read_text())
+    assert prov["forced"] is False and prov["gate"]["passed"] is True
+    assert any(warning in w for w in prov["gate"]["warnings"])
+
+
+def test_gate_speed_condition_ignores_untimed_settings():
+    from distill.publish import gate
+
+    rows = [
+        _row("d", None, 2, 0.5, speedup=0.8),
+        _row("d", None, 4, 0.5, speedup=3.0) | {"error": "engine died"},  # not a measurement
+        _row("d", None, 1, 0.5) | {"speedup": float("nan")},
+    ]
+    assert "any of the 1 measured settings: best speedup 0.80x (k=2, temperature 0.00)" in (
+        gate._speed_problem(rows) or ""
+    )
+    assert gate._speed_problem([*rows, _row("d", None, 3, 0.5, speedup=1.01)]) is None
+    report = {"settings": {"min_acceptance": 0.6}}
+    assert gate._acceptance_warning(rows, report) == []  # slower: refused, not warned about
+    assert gate._acceptance_warning([_row("d", None, 2, 0.7, speedup=1.3)], report) == []
+
+
+def _write_results(run_dir: Path, results: list[dict], rec: dict, settings: dict | None = None) -> None:
+    no_spec = {"name": "no_spec", "method": None, "k": 0, "output_tokens": 512, "tokens_per_s": 50.0}
+    temps = sorted({float(r["temperature"]) for r in results})
+    report = {
+        "engine": "hf",
+        "prompts": {"source": "p.jsonl", "count": 4},
+        "results": [no_spec | {"temperature": t, "speedup": 1.0} for t in temps] + results,
+        "recommendation": rec | {"deploy": True, "reason": "fastest measured setting"},
+        "settings": settings or {"min_acceptance": 0.5, "rejection_sample_method": "standard"},
+    }
+    (run_dir / "eval" / "report.json").write_text(json.dumps(report))
+
+
+def _served_spec(tmp_path: Path) -> dict:
+    readme = (release_dir(tmp_path) / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("vllm serve "))
+    return json.loads(line.split("--speculative-config '", 1)[1].rstrip("'"))
+
+
+def test_card_serves_the_published_drafts_own_k_not_another_drafts(run_dir, overrides, tmp_path):
+    """The reviewer's repro: the run's draft is labelled `mine` (k=1) and eval recommends another draft at
+    k=3. The card serves `mine`'s own fastest setting and says the recommendation is about another draft."""
+    other = tmp_path / "other-model"
+    rec = {"name": "other", "draft": str(other), "k": 3, "temperature": 0.0, "draft_sample_method": "greedy"}
+    results = [
+        _row("mine", run_dir / "draft", 1, 0.6, speedup=1.1) | {"draft_sample_method": "greedy"},
+        _row("mine", run_dir / "draft", 2, 0.5, speedup=1.05) | {"draft_sample_method": "greedy"},
+        _row("base", run_dir / "draft_init", 1, 0.1, speedup=0.9) | {"draft_sample_method": "greedy"},
+        _row("other", other, 3, 0.9, speedup=1.4) | {"draft_sample_method": "greedy"},
+    ]
+    _write_results(run_dir, results, rec | {"speedup": 1.4, "speculative_config": {"model": str(other)}})
+    assert publish(overrides) == 0
+    spec = _served_spec(tmp_path)
+    assert spec["num_speculative_tokens"] == 1 and spec["model"] == str(release_dir(tmp_path).resolve())
+    readme = (release_dir(tmp_path) / "README.md").read_text()
+    assert (
+        "this draft's fastest measured setting (eval's recommendation is for another draft, `other`)"
+        in readme
+    )
+    assert "Eval's recommendation is for another draft measured beside this one: other" in readme
+    assert "Eval's recommendation: deploy" not in readme
+
+
+def test_card_serves_the_measured_draft_sampling_and_rejection_sampling(run_dir, overrides, tmp_path):
+    """Eval measured (and recommends) probabilistic drafting at T=1 with block verification: the snippet carries
+    both (vLLM would otherwise draft greedily), not the first k=2 row (greedy drafting), and its temperature."""
+    draft, init = run_dir / "draft", run_dir / "draft_init"
+    hot = {"temperature": 1.0}
+    results = [
+        _row("distilled", draft, 2, 0.2, speedup=1.1) | hot | {"draft_sample_method": "greedy"},
+        _row("distilled", draft, 2, 0.7, speedup=1.6) | hot | {"draft_sample_method": "probabilistic"},
+        _row("base", init, 2, 0.1, speedup=1.0) | hot | {"draft_sample_method": "greedy"},
+        _row("base", init, 2, 0.3, speedup=1.2) | hot | {"draft_sample_method": "probabilistic"},
+    ]
+    measured = {
+        "method": "draft_model",
+        "num_speculative_tokens": 2,
+        "model": str(draft),
+        "draft_sample_method": "probabilistic",
+    }
+    rec = {"name": "distilled", "draft": str(draft), "k": 2, "draft_sample_method": "probabilistic"}
+    rec |= hot | {"parallel_drafting": False, "speedup": 1.6, "speculative_config": measured}
+    _write_results(run_dir, results, rec, {"min_acceptance": 0.5, "rejection_sample_method": "block"})
+    assert publish(overrides) == 0
+    assert _served_spec(tmp_path) == measured | {
+        "model": str(release_dir(tmp_path).resolve()),
+        "rejection_sample_method": "block",
+    }
+    readme = (release_dir(tmp_path) / "README.md").read_text()
+    assert "measured at **temperature 1.00** with `draft_sample_method` probabilistic and k = 2" in readme
 
 
 def test_complete_true_report_passes_and_missing_key_counts_as_complete(run_dir, overrides, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.evaluate import report as eval_report
-from distill.publish.gate import draft_parallel_tokens
+from distill.publish.gate import draft_parallel_tokens, fastest, section
 from distill.utils.fs import read_json
 
 # Hub ids of the built-in target aliases and licenses we know for certain, so a card can name them even though
@@ -51,6 +51,9 @@ class CardInputs:
     force_reason: str = ""
     gate_problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # The published draft's eval rows, as the gate identifies them (by its folder): the card serves one of
+    # these, never a setting measured for another draft of the same report.
+    draft_rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -171,24 +174,99 @@ def training_facts(run_dir: Path, run_config: dict[str, Any]) -> dict[str, Any]:
 # Serving
 
 
-def best_setting(rows: list[dict[str, Any]], report: dict[str, Any]) -> dict[str, Any] | None:
-    """The k to serve with: the report's recommendation when it names this draft, else the fastest greedy k."""
-    rec = report.get("recommendation") or {}
-    names = {r.get("name") for r in rows}
-    if rec.get("name") in names and rec.get("k"):
-        match = [r for r in rows if r.get("name") == rec["name"] and r.get("k") == rec["k"]]
-        if match:
-            return match[0]
-    greedy = [r for r in rows if float(r.get("temperature", 0.0)) == 0.0] or rows
-    scored = [r for r in greedy if isinstance(r.get("speedup"), (int, float))]
-    return max(scored, key=lambda r: r["speedup"]) if scored else (greedy[0] if greedy else None)
+# k of the snippet for a draft the report never measured (only a forced release has none): a placeholder that
+# the card labels as unmeasured.
+UNMEASURED_K = 4
 
 
-def speculative_config(model_ref: str, k: int, *, parallel: bool = False) -> dict[str, Any]:
-    spec: dict[str, Any] = {"method": "draft_model", "model": model_ref, "num_speculative_tokens": int(k)}
-    if parallel:
+def _same_setting(row: dict[str, Any], rec: dict[str, Any]) -> bool:
+    """Whether `rec` (a recommendation) describes `row`: same label, k and temperature, and the same draft
+    folder, draft sampling and drafting where the recommendation records them (older reports do not)."""
+    if (row.get("name"), row.get("k")) != (rec.get("name"), rec.get("k")):
+        return False
+    if float(row.get("temperature", 0.0)) != float(rec.get("temperature", 0.0)):
+        return False
+    if any(key in rec and row.get(key) != rec[key] for key in ("draft", "draft_sample_method")):
+        return False
+    return bool(row.get("parallel_drafting")) == bool(
+        rec.get("parallel_drafting", row.get("parallel_drafting"))
+    )
+
+
+def recommended_row(rows: list[dict[str, Any]], report: dict[str, Any]) -> dict[str, Any] | None:
+    """The published draft's row that eval's recommendation names, None when it names another draft.
+
+    `rows` are the published draft's own (the gate picks them by its folder), so a recommendation for a draft
+    measured beside it (another label, another folder) matches none of them.
+    """
+    rec = report.get("recommendation")
+    if not isinstance(rec, dict) or rec.get("name") is None:
+        return None
+    return next((r for r in rows if _same_setting(r, rec)), None)
+
+
+def fastest_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The draft's fastest measured setting; one that changed the target's greedy output only when no other
+    was timed (it is not servable: the gate refuses it unless forced)."""
+    clean = [r for r in rows if not eval_report.greedy_mismatch(r)]
+    return fastest(clean) or fastest(rows) or (rows[0] if rows else None)
+
+
+def best_setting(rows: list[dict[str, Any]], report: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+    """(the published draft's row to serve, whether it is eval's recommendation): the recommendation when it
+    is for this draft, else this draft's own fastest measured setting (never another draft's)."""
+    row = recommended_row(rows, report)
+    return (row, True) if row is not None else (fastest_row(rows), False)
+
+
+def speculative_config(
+    model_ref: str, row: dict[str, Any] | None, report: dict[str, Any], *, from_rec: bool = False
+) -> dict[str, Any]:
+    """vLLM's speculative_config for serving `row` as eval measured it, with the release as the model.
+
+    It starts from the recommendation's own speculative_config (when `from_rec`) or eval's builder for the
+    row, so draft_sample_method carries over (vLLM defaults it to greedy, which accepts far less at temperature
+    > 0 than probabilistic drafting measured there), and adds rejection_sample_method when eval ran a
+    non-default one (the worker always passes it; vLLM's default is standard).
+    """
+    rec = section(report, "recommendation") if from_rec else {}
+    measured = rec.get("speculative_config") or (eval_report.speculative_config(row) if row else None)
+    spec = dict(measured or {"method": "draft_model", "num_speculative_tokens": UNMEASURED_K})
+    spec["model"] = model_ref
+    parallel, _ = parallel_setting(row)
+    if parallel:  # a report from before parallel drafts: the draft's config says so (gate warns)
         spec["parallel_drafting"] = True
+    else:
+        spec.pop("parallel_drafting", None)
+    rejection = section(report, "settings").get("rejection_sample_method")
+    if row is not None and rejection and rejection != "standard":
+        spec["rejection_sample_method"] = rejection
     return spec
+
+
+def setting_note(row: dict[str, Any] | None, from_rec: bool, report: dict[str, Any]) -> str:
+    """Where the snippet's setting comes from, at which temperature it was measured and what it gave."""
+    if row is None:
+        return (
+            f"**This draft has no measured setting in the eval report**: k = {UNMEASURED_K} above is a "
+            "placeholder, not a measurement. Run `distill eval` before serving it."
+        )
+    other = section(report, "recommendation").get("name")
+    if from_rec:
+        source = "eval's recommendation"
+    elif other is not None:
+        source = (
+            f"this draft's fastest measured setting (eval's recommendation is for another draft, `{other}`)"
+        )
+    else:
+        source = "this draft's fastest measured setting"
+    dsm = row.get("draft_sample_method") or "greedy"
+    return (
+        f"Setting: {source}, measured at **temperature {_fmt(row.get('temperature'), 2)}** with "
+        f"`draft_sample_method` {dsm} and k = {row.get('k')}: speedup {_fmt(row.get('speedup'), 2)}x over "
+        f"the target alone, acceptance rate {_fmt(row.get('acceptance_rate'))}. Requests at another temperature "
+        "accept differently: every measured setting is in the table below."
+    )
 
 
 def parallel_setting(row: dict[str, Any] | None) -> tuple[bool, int]:
@@ -350,10 +428,16 @@ def not_deploy_causes(report: dict[str, Any], rec: dict[str, Any]) -> list[str]:
     return out or ["the eval's deploy gate did not pass"]
 
 
-def _recommendation(report: dict[str, Any]) -> str:
+def _recommendation(report: dict[str, Any], *, other_draft: bool = False) -> str:
     rec = report.get("recommendation")
     if not isinstance(rec, dict):
         return ""
+    if other_draft:  # its verdict is about a draft compared beside this one, not about this release
+        return (
+            f"\nEval's recommendation is for another draft measured beside this one: {rec.get('name')} "
+            f"(`{rec.get('draft')}`) at k={rec.get('k')}, temperature {_fmt(rec.get('temperature'), 2)}, "
+            f"speedup {_fmt(rec.get('speedup'), 2)}. It does not describe this release.\n"
+        )
     deploy = bool(rec.get("deploy")) and report.get("complete") is not False
     verdict = "deploy" if deploy else f"do **not** deploy ({'; '.join(not_deploy_causes(report, rec))})"
     return (
@@ -387,12 +471,11 @@ def _training_section(t: dict[str, Any]) -> str:
 
 def render(inp: CardInputs) -> str:
     """The full README.md."""
-    rows = [r for r in inp.report.get("results", []) if r.get("method") == "draft_model"]
-    ours = [r for r in rows if r.get("name") == "distilled"] or rows
-    best = best_setting(ours, inp.report)
-    k = int(best["k"]) if best and best.get("k") else 4
+    best, from_rec = best_setting(inp.draft_rows, inp.report)
+    spec = speculative_config(inp.model_ref, best, inp.report, from_rec=from_rec)
+    k = int(spec["num_speculative_tokens"])
     parallel, big_k = parallel_setting(best)
-    spec = speculative_config(inp.model_ref, k, parallel=parallel)
+    other_draft = section(inp.report, "recommendation").get("name") is not None and not from_rec
     warnings = "".join(f"\n> Warning: {w}\n" for w in inp.warnings)
     return f"""{front_matter(inp)}
 # {inp.name} (version {inp.version})
@@ -410,13 +493,15 @@ verifies, so the target's output is unchanged while decoding can be faster.
 ```bash
 {serve_command(inp.target, spec)}
 ```
+
+{setting_note(best, from_rec, inp.report)}
 {parallel_section(k, big_k) if parallel else ""}
 ## Measured results
 
 {measurement_context(inp.report)}
 
 {eval_table(inp.report)}
-{_recommendation(inp.report)}
+{_recommendation(inp.report, other_draft=other_draft)}
 ## How it was trained
 
 {_training_section(inp.training)}

@@ -2,13 +2,18 @@
 
 Refused (exit 2 unless `publish.force`): no `eval/report.json`, a partial report (`"complete": false`), no
 acceptance gain over the base (undistilled) draft at matching (k, temperature) (when the two share no k, of
-the first drafted token at matching temperature), or a failed `greedy_match`
-at temperature 0 in float32 (speculation must not change the target's greedy output). A parallel (PARD) draft
-that eval measured only as an ordinary draft (an older report) gets a warning: its card serves it in parallel.
+the first drafted token at matching temperature), a failed `greedy_match`
+at temperature 0 in float32 (speculation must not change the target's greedy output), or a draft that is not
+faster than the target alone (speedup <= 1) at every setting eval measured it at. Acceptance below
+eval.min_acceptance at the fastest setting is a warning, not a refusal: a faster draft is worth serving even
+when it matches the target less often than eval's bar (the shipped demo draft: 1.17x at acceptance 0.34).
+A parallel (PARD) draft that eval measured only as an ordinary draft (an older report) gets a warning: its
+card serves it in parallel.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +132,75 @@ def _gain_problem(distilled: list[dict[str, Any]], base: list[dict[str, Any]]) -
     )
 
 
+def measured_speedup(row: dict[str, Any]) -> float | None:
+    """The row's speedup over no speculation at its temperature; None when eval could not time it (an
+    errored setting, or no no_spec baseline at that temperature)."""
+    value = row.get("speedup")
+    if row.get("error") or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return None if math.isnan(value) else float(value)
+
+
+def fastest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row with the highest measured speedup, None when no row has one."""
+    timed = [r for r in rows if measured_speedup(r) is not None]
+    return max(timed, key=lambda r: measured_speedup(r) or 0.0) if timed else None
+
+
+def _setting(row: dict[str, Any]) -> str:
+    dsm = f", {row['draft_sample_method']} drafting" if row.get("draft_sample_method") else ""
+    return f"k={row.get('k')}, temperature {float(row.get('temperature', 0.0)):.2f}{dsm}"
+
+
+def _speed_problem(rows: list[dict[str, Any]]) -> str | None:
+    """Why serving the draft would not pay: no setting faster than the target alone (or none timed)."""
+    best = fastest(rows)
+    if best is None:
+        return (
+            "eval timed the draft at no setting (no speedup: an error, or no no_spec baseline at its "
+            "temperature): rerun `distill eval`"
+        )
+    speedup = measured_speedup(best) or 0.0
+    if speedup > 1.0:
+        return None
+    timed = sum(measured_speedup(r) is not None for r in rows)
+    return (
+        f"speculation with this draft is not faster than the target alone at any of the {timed} measured "
+        f"settings: best speedup {speedup:.2f}x ({_setting(best)})"
+    )
+
+
+def section(report: dict[str, Any], key: str) -> dict[str, Any]:
+    """A report's dict-valued entry (`settings`, `recommendation`), empty when absent or malformed."""
+    value = report.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _min_acceptance(report: dict[str, Any]) -> float | None:
+    candidates = (section(report, "settings"), section(report, "recommendation"))
+    for value in (c.get("min_acceptance") for c in candidates):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _acceptance_warning(rows: list[dict[str, Any]], report: dict[str, Any]) -> list[str]:
+    """A warning (not a refusal) when the fastest setting accepts less than eval.min_acceptance: eval's bar
+    is about how often the draft matches, but a faster draft is worth serving all the same."""
+    best, floor = fastest(rows), _min_acceptance(report)
+    if best is None or floor is None or (measured_speedup(best) or 0.0) <= 1.0:
+        return []
+    acc = best.get("acceptance_rate")
+    if isinstance(acc, (int, float)) and float(acc) >= floor:
+        return []
+    shown = f"{float(acc):.2f}" if isinstance(acc, (int, float)) else "n/a"
+    return [
+        f"acceptance {shown} at the fastest setting ({_setting(best)}) is below eval.min_acceptance "
+        f"{floor:.2f}, so eval does not recommend deploying it; it is published because it is "
+        f"{measured_speedup(best):.2f}x faster than the target alone there"
+    ]
+
+
 def _greedy_failures(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     failures, unchecked = [], []
     for r in rows:
@@ -176,6 +250,11 @@ def check(run_dir: Path) -> GateResult:
         gain_problem = _gain_problem(result.distilled, result.base)
         if gain_problem:
             result.problems.append(gain_problem)
+    if result.distilled:
+        slower = _speed_problem(result.distilled)
+        if slower:
+            result.problems.append(slower)
+        result.warnings.extend(_acceptance_warning(result.distilled, report))
     failures, unchecked = _greedy_failures(result.distilled)
     if failures:
         result.problems.append(
@@ -224,6 +303,7 @@ def _staleness(run_dir: Path) -> list[str]:
 def summary(result: GateResult) -> dict[str, Any]:
     ours, theirs, n = acceptance_gain(result.distilled, result.base)
     first, base_first, n_first = first_position_gain(result.distilled, result.base)
+    best = fastest(result.distilled)
     return {
         "passed": result.passed,
         "problems": result.problems,
@@ -234,4 +314,5 @@ def summary(result: GateResult) -> dict[str, Any]:
         "first_token_acceptance": None if n_first == 0 else first,
         "base_first_token_acceptance": None if n_first == 0 else base_first,
         "first_token_compared_settings": n_first,
+        "best_speedup": None if best is None else measured_speedup(best),
     }

@@ -278,6 +278,7 @@ def _build(
         force_reason=pcfg.force_reason,
         gate_problems=result.problems,
         warnings=result.warnings,
+        draft_rows=result.distilled,
     )
     atomic_write_text(tmp / "README.md", card.render(inputs))
     atomic_write_json(
