@@ -142,8 +142,20 @@ STAGE_OUTPUTS = {
 def outputs_present(run_dir: Path, stage: str, rec: dict[str, Any]) -> bool:
     if not all((Path(run_dir) / rel).is_file() for rel in STAGE_OUTPUTS[stage]):
         return False
+    if stage == "eval" and not report_complete(Path(run_dir) / "eval" / "report.json"):
+        return False
     release = (rec.get("summary") or {}).get("path") if stage == "publish" else None
     return release is None or Path(release).is_dir()
+
+
+def report_complete(path: Path) -> bool:
+    """Whether an eval report says every configuration was measured. A later failed or partial eval rewrites
+    the report in place, so the file existing is not enough to trust an older completion record."""
+    try:
+        rep = read_json(path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(rep, dict) and rep.get("complete") is True
 
 
 def is_complete(cfg: Config, stage: str) -> bool:

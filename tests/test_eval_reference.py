@@ -415,6 +415,8 @@ RESULT_KEYS = {
     "texts",
     "token_ids",
     "error",
+    "load_avg",
+    "foreign_cpu",
 }
 
 

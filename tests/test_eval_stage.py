@@ -535,3 +535,203 @@ def test_compiled_eval_without_a_cpp_compiler_stops_before_writing(
     assert "eval.enforce_eager" in err and "C++ compiler" in err and "Traceback" not in err
     assert not fake_worker and not (run_dir(cfg_args) / "eval").exists()
     assert main(["eval", *cfg_args, "eval.enforce_eager=true", "eval.cpu_reserved_cores=0"]) == 0
+
+
+# ---- interruption and stale completion records ----------------------------------------------------------
+
+
+def _load(args):
+    from distill.config import load_config
+
+    return load_config(args[args.index("-c") + 1], [a for a in args[2:] if "=" in a])
+
+
+def test_sigterm_during_reference_eval_is_an_interruption(cfg_args, fake_worker, monkeypatch):
+    """SIGTERM raises Interrupted inside the reference engine: exit 130 (not a runtime failure), and the
+    completion record of an earlier eval is gone (eval/ is no longer what it vouched for)."""
+    from distill import rundir
+    from distill.errors import Interrupted
+    from distill.evaluate import stage
+
+    assert main(["eval", *cfg_args]) == 0
+    cfg = _load(cfg_args)
+    assert rundir.is_complete(cfg, "eval")
+
+    def terminated(job):
+        raise Interrupted("received signal 15; state saved, rerun the same command to resume.")
+
+    monkeypatch.setattr("distill.evaluate.reference.run_reference_job", terminated)
+    assert main(["eval", *cfg_args, "eval.engine=hf"]) == 130
+    with pytest.raises(Interrupted):  # what `distill run` records as "interrupted", not "failed"
+        stage.run(_load([*cfg_args, "eval.engine=hf"]))
+    assert not (run_dir(cfg_args) / "stages" / "eval.json").exists()
+
+
+def test_failed_eval_clears_the_earlier_completion_record(cfg_args, fake_worker, monkeypatch):
+    """A failed eval rewrites eval/report.json (incomplete): `distill run` must not skip eval afterwards."""
+    from distill import pipeline, rundir
+
+    assert main(["eval", *cfg_args]) == 0
+    cfg = _load(cfg_args)
+    assert rundir.is_complete(cfg, "eval")
+    monkeypatch.setattr("distill.utils.subproc.run_worker", _worker_failing_after(2))
+    assert main(["eval", *cfg_args]) == 1
+    assert json.loads((run_dir(cfg_args) / "eval" / "report.json").read_text())["complete"] is False
+    assert not (run_dir(cfg_args) / "stages" / "eval.json").exists()
+    assert not rundir.is_complete(cfg, "eval")
+    assert dict(pipeline.plan(cfg))["eval"] != "skip"
+
+
+def test_an_incomplete_report_is_not_complete_whatever_its_record_says(cfg_args, fake_worker):
+    """A record left by an older version (or written before the report was overwritten) does not vouch for a
+    report that says complete: false."""
+    from distill import rundir
+
+    assert main(["eval", *cfg_args]) == 0
+    cfg = _load(cfg_args)
+    path = run_dir(cfg_args) / "eval" / "report.json"
+    rep = json.loads(path.read_text())
+    path.write_text(json.dumps({**rep, "complete": False}))
+    assert not rundir.is_complete(cfg, "eval")
+    path.write_text("{truncated")
+    assert not rundir.is_complete(cfg, "eval")
+    path.write_text(json.dumps(rep))
+    assert rundir.is_complete(cfg, "eval")
+
+
+# ---- preflight: config values and draft folders (exit 2, nothing written) --------------------------------
+
+
+def test_empty_temperatures_is_a_config_error(cfg_args, capsys, fake_worker):
+    _assert_input_error([*cfg_args, "eval.temperatures=[]"], capsys, "eval.temperatures")
+    _assert_input_error([*cfg_args, "eval.temperatures=[]", "eval.engine=hf"], capsys, "eval.temperatures")
+
+
+def _draft_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _no_weights(src: Path, dst: Path) -> Path:
+    (_draft_copy(src, dst) / "model.safetensors").unlink()
+    return dst
+
+
+def _truncated(src: Path, dst: Path) -> Path:
+    weights = _draft_copy(src, dst) / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    return dst
+
+
+def _rows(n: int, *, config_rows: int | None = None):
+    """A draft on the target's tokenizer whose embedding table has `n` rows (config.json may claim others)."""
+
+    def make(src: Path, dst: Path) -> Path:
+        from transformers import AutoTokenizer, LlamaForCausalLM
+
+        from distill.models.tiny import tiny_llama_config
+
+        LlamaForCausalLM(tiny_llama_config(n, num_layers=1, hidden_size=32)).save_pretrained(dst)
+        AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+        if config_rows is not None:
+            config = json.loads((dst / "config.json").read_text())
+            (dst / "config.json").write_text(json.dumps({**config, "vocab_size": config_rows}))
+        return dst
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("make", "needles"),
+    [
+        (_no_weights, ("holds no weights (*.safetensors)", "save_pretrained")),
+        (_truncated, ("truncated or corrupt", "model.safetensors")),
+        (_rows(640), ("640 rows", "target (", "has 512", "resize_token_embeddings(512)")),
+        (_rows(500), ("500 rows", "has 512", "resize_token_embeddings(512)")),
+        (_rows(640, config_rows=512), ("vocab_size 512", "640", "inconsistent")),
+    ],
+    ids=["no-weights", "truncated", "bigger-embedding", "smaller-embedding", "config-disagrees"],
+)
+def test_broken_draft_folder_stops_in_preflight(
+    cfg_args, capsys, fake_worker, tiny_target_dir, tmp_path, make, needles
+):
+    draft = make(tiny_target_dir, tmp_path / "broken")
+    _assert_input_error(
+        _with_drafts(cfg_args, f"[{{name: x, model: {draft}}}]"), capsys, "eval.drafts[0].model", *needles
+    )
+    assert not fake_worker
+
+
+def test_second_broken_draft_is_named_by_its_index(cfg_args, capsys, fake_worker, tiny_target_dir, tmp_path):
+    bad = _no_weights(tiny_target_dir, tmp_path / "bad")
+    drafts = f"[{{name: ok, model: {tiny_target_dir}}}, {{name: bad, model: {bad}}}]"
+    _assert_input_error(_with_drafts(cfg_args, drafts), capsys, "eval.drafts[1].model", "'bad'")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["eval.k=[5000]"], "eval.k"),
+        (["eval.ngram_k=3000"], "eval.ngram_k"),
+        (["eval.drafts=[{name: good, model: TARGET, k: [4000]}]", "eval.ngram=false"], "eval.drafts[0].k"),
+    ],
+    ids=["eval.k", "ngram_k", "per-draft-k"],
+)
+def test_a_huge_k_is_blamed_on_its_key_not_on_max_tokens(
+    cfg_args, capsys, fake_worker, tiny_target_dir, overrides, key
+):
+    args = [*cfg_args, *(o.replace("TARGET", str(tiny_target_dir)) for o in overrides)]
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {key}: k=" in err and "positions" in err and f"lower {key}" in err, err
+    assert not run_dir(args).exists()
+
+
+def test_too_many_new_tokens_is_still_blamed_on_max_tokens(cfg_args, capsys, fake_worker):
+    _assert_input_error([*cfg_args, "eval.max_tokens=3000"], capsys, "error: eval.max_tokens:", "k=2")
+
+
+def test_fewer_prompts_than_num_prompts_is_noted(cfg_args, fake_worker):
+    assert main(["eval", *cfg_args, "eval.num_prompts=1000"]) == 0
+    rep = json.loads((run_dir(cfg_args) / "eval" / "report.json").read_text())
+    n = rep["prompts"]["count"]
+    assert 0 < n < 1000
+    assert any(f"eval.num_prompts=1000, but only {n} prompts were available" in note for note in rep["notes"])
+
+
+def test_enough_prompts_adds_no_note(cfg_args, fake_worker):
+    assert main(["eval", *cfg_args]) == 0
+    rep = json.loads((run_dir(cfg_args) / "eval" / "report.json").read_text())
+    assert rep["prompts"]["count"] == 4 and not any("num_prompts" in n for n in rep["notes"])
+
+
+# ---- the reference engine reports how busy the machine was -----------------------------------------------
+
+
+def test_reference_engine_records_machine_load(tiny_target_dir):
+    """load_avg and foreign_cpu per timed pass, as the vLLM worker records them, so hf reports get the
+    busy-machine warning too; a pass too short for 10 ms clock ticks records no share."""
+    from distill.evaluate import reference
+    from distill.evaluate.stage import load_warnings
+
+    job = {
+        "target": str(tiny_target_dir),
+        "prompts": [[5, 6, 7]],
+        "max_tokens": 2,
+        "repeats": 2,
+        "eos_token_id": 2,
+        "device": "cpu",
+        "configs": [{"name": "no_spec", "method": None, "k": 0, "temperature": 0.0}],
+    }
+    (row,) = reference.run_reference_job(job)["results"]
+    assert len(row["load_avg"]) == 2 and row["foreign_cpu"] == [None, None]  # millisecond passes
+    snap = reference.cpu_snapshot()
+    assert snap is None or (snap[0] > 0 and snap[1] >= 0)
+    ticks, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    # 10 s: the machine was busy 50% of it, this process took 30% -> 20% foreign.
+    after = (int(5 * ticks * cores), int(3 * ticks * cores))
+    assert reference.foreign_share((0, 0), after, 10.0) == pytest.approx(0.2, abs=0.002)
+    assert reference.foreign_share((0, 0), after, 0.05) is None
+    busy = {**row, "foreign_cpu": [0.5, 0.6]}
+    assert "used up to 60%" in load_warnings({"engine": "hf"}, [busy])[0]

@@ -21,7 +21,7 @@ def complete(cfg: Config, stage: str, summary: dict | None = None) -> None:
     """What a real stage leaves: its output files (placeholders here) and its completion record."""
     for rel in rundir.STAGE_OUTPUTS[stage]:
         (cfg.run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / rel).write_text("{}")
+        (cfg.run_dir / rel).write_text(json.dumps({"complete": True}))
     rundir.mark_complete(cfg, stage, summary)
 
 

@@ -125,4 +125,9 @@ class EvalConfig:
             out.append(f"drafts: {sorted(reserved)} are reserved names (the baselines); rename the draft.")
         if len(set(self.k)) != len(self.k) or not self.k:
             out.append(f"k: {self.k} must be a non-empty list without repeats.")
+        if not self.temperatures:
+            # An empty sweep measures nothing at all (not even the no_spec baseline), yet would exit 0.
+            out.append(
+                "temperatures: [] measures nothing; list at least one sampling temperature, e.g. [0.0]."
+            )
         return out

@@ -32,7 +32,9 @@ Job keys:
 Result: {"results": [per-config dict], "complete": bool, "engine": str, "engine_version": str, "device": str,
 ...}. Per-config dict:
     {name, method, draft, k, temperature, draft_sample_method, parallel_drafting: bool, startup_s: float | None,
-     wall_s: [float per timed pass], load_avg: [1-min load average before each timed pass] (optional), output_tokens: int (tokens generated in one pass over all prompts),
+     wall_s: [float per timed pass], load_avg: [1-min load average before each timed pass],
+     foreign_cpu: [share of the machine's CPU used by other processes during each timed pass, or None],
+     output_tokens: int (tokens generated in one pass over all prompts),
      output_tokens_per_pass: [int], num_drafts, num_draft_tokens, num_accepted_tokens: int (summed over the
      timed passes), accepted_per_pos: [int] * k (same passes), texts: [str per prompt],
      token_ids: [[int] per prompt], error: str | None}

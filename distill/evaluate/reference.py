@@ -23,6 +23,7 @@ that survived, so each round feeds only the new tokens.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ import torch.nn.functional as F
 
 from distill.errors import InputError
 from distill.utils.fs import atomic_write_json
+from distill.vllm_worker.speculate import cpu_snapshot as machine_snapshot
+from distill.vllm_worker.speculate import foreign_cpu_share
 
 log = logging.getLogger("distill.evaluate")
 
@@ -671,6 +674,8 @@ def _empty_result(c: dict[str, Any]) -> dict[str, Any]:
         "parallel_drafting": bool(c.get("parallel_drafting")),
         "startup_s": 0.0,
         "wall_s": [],
+        "load_avg": [],
+        "foreign_cpu": [],
         "output_tokens": 0,
         "output_tokens_per_pass": [],
         "num_drafts": 0,
@@ -681,6 +686,37 @@ def _empty_result(c: dict[str, Any]) -> dict[str, Any]:
         "token_ids": [],
         "error": None,
     }
+
+
+def load_avg() -> float | None:
+    """1-minute load average before a timed pass (the report's fallback busy-machine signal)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def cpu_snapshot() -> tuple[int, int] | None:
+    """(machine busy ticks, this process's ticks), for the share of the CPU other processes took during a
+    timed pass (`foreign_cpu`, as the vLLM worker reports it). The reference engine runs in this process
+    alone, so its own time is this process's, not its session's (a shell's other jobs share the session).
+    This process is read first: the /proc walk for the machine's count then falls inside both intervals."""
+    t = os.times()
+    own = round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
+    machine = machine_snapshot()
+    return None if machine is None else (machine[0], own)
+
+
+# CPU time is counted in clock ticks (10 ms): over a shorter pass one stray tick of another process reads as
+# a large share, so such passes record no share (the report then falls back to the load average).
+MIN_SHARE_WALL_S = 1.0
+
+
+def foreign_share(
+    before: tuple[int, int] | None, after: tuple[int, int] | None, wall_s: float
+) -> float | None:
+    """Share of the machine's CPU other processes used during a timed pass, None where too short to tell."""
+    return foreign_cpu_share(before, after, wall_s) if wall_s >= MIN_SHARE_WALL_S else None
 
 
 def run_config(job: dict[str, Any], c: dict[str, Any], models: _ModelCache, tokenizer: Any) -> dict[str, Any]:
@@ -698,9 +734,12 @@ def run_config(job: dict[str, Any], c: dict[str, Any], models: _ModelCache, toke
     token_ids: list[list[int]] = []
     stats = SpecStats(res["k"])
     for r in range(int(job.get("repeats", 1))):
+        res["load_avg"].append(load_avg())
+        cpu0 = cpu_snapshot()
         t0 = time.perf_counter()
         outs, pass_stats = _one_pass(run_one, prompts, seed, device, res["k"])
         res["wall_s"].append(time.perf_counter() - t0)
+        res["foreign_cpu"].append(foreign_share(cpu0, cpu_snapshot(), res["wall_s"][-1]))
         res["output_tokens_per_pass"].append(sum(len(t) for t in outs))
         stats.merge(pass_stats)  # counters summed over the timed passes, as the vLLM worker reports them
         if r == 0:

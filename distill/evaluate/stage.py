@@ -16,8 +16,8 @@ from typing import Any
 
 from distill import rundir
 from distill.config import Config
-from distill.errors import InputError, RuntimeFailure
-from distill.evaluate import hardware, jobs, report
+from distill.errors import DistillError, InputError, RuntimeFailure
+from distill.evaluate import draftcheck, hardware, jobs, report
 from distill.utils.fs import atomic_write_json, atomic_write_text, read_json
 from distill.utils.progress import progress
 
@@ -77,9 +77,12 @@ def _device() -> str:
         return "cpu"
 
 
-def resolve_drafts(cfg: Config, target_tok: Any) -> tuple[dict[str, Path], dict[str, Any]]:
-    """Resolve every `eval.drafts[i].model` and check it speaks the target's vocabulary."""
-    from distill.models.draft import check_same_vocab, load_model_config, load_tokenizer
+def resolve_drafts(
+    cfg: Config, target_tok: Any, target_config: Any
+) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Resolve every `eval.drafts[i].model` and check it speaks the target's vocabulary and holds readable
+    weights."""
+    from distill.models.draft import check_same_vocab, load_tokenizer
     from distill.models.resolve import resolve_model
 
     if not cfg.eval.drafts:
@@ -99,10 +102,34 @@ def resolve_drafts(cfg: Config, target_tok: Any) -> tuple[dict[str, Path], dict[
             tok = load_tokenizer(folder, trust_remote_code=cfg.draft.trust_remote_code)
         except Exception as exc:
             raise InputError(f"{key}: cannot load a tokenizer from {folder} ({exc}).") from exc
-        check_same_vocab(target_tok, tok, target_name=str(cfg.target.model), draft_name=str(d.model), key=key)
+        vocab = check_same_vocab(
+            target_tok, tok, target_name=str(cfg.target.model), draft_name=str(d.model), key=key
+        )
         folders[d.name] = folder
-        configs[d.name] = load_model_config(folder, trust_remote_code=cfg.draft.trust_remote_code)
+        configs[d.name] = _draft_config(cfg, folder, key)
+        check_draft_folder(cfg, i, folder, configs[d.name], target_config, vocab)
     return folders, configs
+
+
+def _draft_config(cfg: Config, folder: Path, key: str) -> Any:
+    from distill.models.draft import load_model_config
+
+    try:
+        return load_model_config(folder, trust_remote_code=cfg.draft.trust_remote_code)
+    except Exception as exc:  # a missing or malformed config.json: the user's folder, not a bug of ours
+        raise InputError(f"{key}: cannot read the model config of {folder} ({exc}).") from exc
+
+
+def check_draft_folder(
+    cfg: Config, i: int, folder: Path, config: Any, target_config: Any, vocab_len: int
+) -> None:
+    """Weights present and readable, embedding table the target's size: checked from the safetensors headers,
+    so a broken draft stops here (exit 2, nothing written) instead of failing inside the engine."""
+    key, name = f"eval.drafts[{i}].model", cfg.eval.drafts[i].name
+    rows = draftcheck.vocab_rows(draftcheck.weight_files(folder, key=key, name=name), key=key, name=name)
+    draftcheck.check_vocab_rows(
+        config, target_config, rows, vocab_len, key=key, name=name, target=str(cfg.target.model)
+    )
 
 
 def draft_ks(cfg: Config) -> dict[str, list[int]]:
@@ -212,6 +239,59 @@ def tokenize_prompts(
     return out, skipped
 
 
+# Positions past prompt + new tokens + k that the engine's max_model_len keeps free.
+SPARE_POSITIONS = 8
+
+
+def k_sources(cfg: Config, parallel: dict[str, int]) -> list[tuple[int, str]]:
+    """Every speculative k the job runs, with the config key that sets it (what an error must name)."""
+    e = cfg.eval
+    out = []
+    for i, d in enumerate(e.drafts):
+        swept, key = (list(d.k), f"eval.drafts[{i}].k") if d.k else (list(e.k), "eval.k")
+        for k in jobs.parallel_ks(swept, parallel.get(d.name, 0)):
+            # A parallel draft whose sweep has no k <= its trained K runs at K, set by its config.json.
+            out.append((k, key if k in swept else f"eval.drafts[{i}].model"))
+    if e.ngram:
+        out.append((e.ngram_k, "eval.ngram_k") if e.ngram_k else (max(e.k), "eval.k"))
+    return out
+
+
+def model_len(cfg: Config, prompts: list[list[int]], parallel: dict[str, int], target_config: Any) -> int:
+    """The engine's max_model_len: longest prompt + eval.max_tokens + the largest k + spare. When it exceeds
+    the target's positions the error names the key at fault: the k when prompt + new tokens alone fit."""
+    longest, new = max(map(len, prompts)), cfg.eval.max_tokens
+    k, key = max(k_sources(cfg, parallel), key=lambda s: s[0], default=(0, "eval.k"))
+    need = longest + new + k + SPARE_POSITIONS
+    limit = int(getattr(target_config, "max_position_embeddings", 0) or 0)
+    if not limit or need <= limit:
+        return need
+    room = limit - longest - new - SPARE_POSITIONS
+    if room >= 1:
+        raise InputError(
+            f"{key}: k={k} speculative tokens + prompts ({longest} tokens) + {new} new tokens need {need} "
+            f"positions, more than the target's {limit}; lower {key} (at most {room} fits here)."
+        )
+    raise InputError(
+        f"eval.max_tokens: prompts ({longest} tokens) + {new} new tokens + k={k} speculative tokens ({key}) "
+        f"exceed the target's {limit} positions; lower eval.max_tokens or data.max_prompt_tokens."
+    )
+
+
+def prompt_shortfall(cfg: Config, got: int, read: int, skipped: int, source: str) -> list[str]:
+    """A note (and a warning) when fewer prompts than eval.num_prompts were there to evaluate: the report's
+    prompt count alone does not say that the request was cut short."""
+    want = cfg.eval.num_prompts
+    if got >= want:
+        return []
+    note = (
+        f"eval.num_prompts={want}, but only {got} prompts were available ({source}: {read} read, {skipped} "
+        f"longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens} skipped): {got} evaluated."
+    )
+    log.warning(note)
+    return [note]
+
+
 def preflight(cfg: Config) -> Plan:
     from distill.models.draft import load_model_config, load_tokenizer
     from distill.models.resolve import resolve_model
@@ -221,7 +301,7 @@ def preflight(cfg: Config) -> Plan:
     tc = cfg.target.trust_remote_code
     target_tok = load_tokenizer(target_dir, trust_remote_code=tc)
     target_config = load_model_config(target_dir, trust_remote_code=tc)
-    drafts, draft_configs = resolve_drafts(cfg, target_tok)
+    drafts, draft_configs = resolve_drafts(cfg, target_tok, target_config)
     parallel, parallel_notes = parallel_drafts(cfg, draft_configs)
     records, source = load_eval_prompts(cfg)
     prompts, skipped = tokenize_prompts(records, target_tok, cfg.data.max_prompt_tokens, cfg.eval.num_prompts)
@@ -230,16 +310,8 @@ def preflight(cfg: Config) -> Plan:
             f"eval.prompts: all {len(records)} prompts are longer than data.max_prompt_tokens="
             f"{cfg.data.max_prompt_tokens}; raise it or use shorter prompts."
         )
-    swept = [k for ks in draft_ks(cfg).values() for k in ks]
-    max_k = max([*cfg.eval.k, *swept, cfg.eval.ngram_k, *parallel.values()])
-    max_model_len = max(map(len, prompts)) + cfg.eval.max_tokens + max_k + 8
-    limit = int(getattr(target_config, "max_position_embeddings", 0) or 0)
-    if limit and max_model_len > limit:
-        raise InputError(
-            f"eval.max_tokens: prompts ({max(map(len, prompts))} tokens) + {cfg.eval.max_tokens} new "
-            f"tokens exceed the target's {limit} positions; lower eval.max_tokens or "
-            "data.max_prompt_tokens."
-        )
+    max_model_len = model_len(cfg, prompts, parallel, target_config)
+    notes += prompt_shortfall(cfg, len(prompts), len(records), skipped, source)
     if target_tok.eos_token_id is None:
         raise InputError(f"target.model: the tokenizer of {target_dir} has no eos token; eval stops at EOS.")
     gen_eos = getattr(target_config, "eos_token_id", None)
@@ -366,8 +438,8 @@ def run_engine(cfg: Config, plan: Plan, out_dir: Path) -> tuple[dict[str, Any], 
 
         try:
             return {"engine": "hf", "complete": True, **run_reference_job(job)}, None
-        except (InputError, RuntimeFailure):
-            raise
+        except DistillError:
+            raise  # Interrupted (SIGTERM) must stay exit 130 / "interrupted", InputError exit 2
         except Exception as exc:
             raise RuntimeFailure(f"reference engine failed: {type(exc).__name__}: {exc}") from exc
     from distill.utils.subproc import run_worker
@@ -588,9 +660,10 @@ FOREIGN_CPU_LIMIT = 0.15
 
 
 def load_warnings(out: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
-    """Flag timings taken while other processes used the machine (they skew tokens/s). The worker measures the
-    CPU share used outside its own process session per pass; the load average (which counts vLLM's own engine
-    processes, ~3 on an idle 2-core machine) is the fallback where that is missing."""
+    """Flag timings taken while other processes used the machine (they skew tokens/s). Both engines measure
+    the CPU share used outside the eval per pass (the vLLM worker: outside its process session; the reference
+    engine: outside this process); the load average (which counts vLLM's own engine processes, ~3 on an idle
+    2-core machine) is the fallback where that is missing."""
     foreign = [x for r in results for x in (r.get("foreign_cpu") or []) if x is not None]
     if foreign:
         if max(foreign) <= FOREIGN_CPU_LIMIT:
@@ -638,6 +711,9 @@ def write_outputs(cfg: Config, rep: dict[str, Any], out: dict[str, Any], out_dir
 def run(cfg: Config) -> int | None:
     plan = preflight(cfg)  # raises InputError before anything is written
     rundir.start_stage(cfg, "eval")
+    # From here eval/ is rewritten: an earlier completion record must not vouch for what a failed or
+    # interrupted run leaves there (`distill run` would skip eval and publish would meet a broken report).
+    rundir.clear_complete(cfg, "eval")
     out_dir = cfg.run_dir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     log.info(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ from distill.models.builtin import ALIASES, ensure_alias
 log = logging.getLogger("distill.models")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+WEIGHTS_INDEX = "model.safetensors.index.json"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
@@ -94,13 +96,29 @@ def weights_problem(folder: Path) -> str | None:
                 "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`"
             )
         return "holds no weights (*.safetensors)"
+    missing = _missing_shards(folder, {f.name for f in files})
+    if missing:
+        return missing
     for f in files:
         try:
             with safe_open(str(f), "pt"):
                 pass
         except Exception as exc:  # SafetensorError, OSError: both mean the file cannot be loaded
-            return f"has an unreadable weight file {f.name} ({exc})"
+            return f"has a truncated or corrupt weight file {f.name} ({exc})"
     return None
+
+
+def _missing_shards(folder: Path, present: set[str]) -> str | None:
+    """Why a sharded checkpoint is incomplete: shards its index names that are not there, or an unreadable index."""
+    index = folder / WEIGHTS_INDEX
+    if not index.is_file():
+        return None
+    try:
+        named = {str(v) for v in json.loads(index.read_text())["weight_map"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"has an unreadable {WEIGHTS_INDEX} ({exc})"
+    missing = sorted(named - present)
+    return f"lacks the weight shards {missing} that {WEIGHTS_INDEX} names" if missing else None
 
 
 def require_weights(folder: Path, *, key: str) -> None:
