@@ -45,6 +45,22 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32", trust_remote_cod
     )
 
 
+@contextlib.contextmanager
+def remote_code_refused(section: str, folder: str | Path) -> Iterator[None]:
+    """transformers' "pass trust_remote_code=True" ValueError (a folder whose config.json has an `auto_map`) as
+    an InputError naming `<section>.trust_remote_code`: the fix is a config key, not a code change."""
+    try:
+        yield
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise InputError(
+            f"{section}.trust_remote_code: {folder} holds custom model code (an auto_map in its config.json), "
+            f"which transformers runs only when allowed. Set {section}.trust_remote_code=true only if you trust "
+            "this code, or use a model transformers supports natively."
+        ) from exc
+
+
 def check_same_vocab(
     target_tok: Any, draft_tok: Any, *, target_name: str, draft_name: str, key: str = "draft.model"
 ) -> int:
@@ -79,7 +95,8 @@ def check_embedding_size(config: Any, vocab_len: int, *, name: str, key: str) ->
 def preflight_draft(cfg: Config, target_dir: Path) -> Path | None:
     """Validate the configured draft against the target without loading weights. Returns the draft folder
     for `init: pretrained`, else None."""
-    target_cfg = load_model_config(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    with remote_code_refused("target", target_dir):
+        target_cfg = load_model_config(target_dir, trust_remote_code=cfg.target.trust_remote_code)
     d = cfg.draft
     if d.init == "truncate":
         n_target = int(target_cfg.num_hidden_layers)
@@ -91,20 +108,21 @@ def preflight_draft(cfg: Config, target_dir: Path) -> Path | None:
         return None
     assert d.model is not None
     draft_dir = resolve_model(d.model, key="draft.model")
-    target_tok = load_tokenizer(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    with remote_code_refused("target", target_dir):
+        target_tok = load_tokenizer(target_dir, trust_remote_code=cfg.target.trust_remote_code)
     try:
-        draft_tok = load_tokenizer(draft_dir, trust_remote_code=d.trust_remote_code)
+        with remote_code_refused("draft", draft_dir):
+            draft_tok = load_tokenizer(draft_dir, trust_remote_code=d.trust_remote_code)
+    except InputError:
+        raise
     except Exception as exc:
         raise InputError(f"draft.model: cannot load a tokenizer from {draft_dir} ({exc}).") from exc
     vocab = check_same_vocab(
         target_tok, draft_tok, target_name=str(cfg.target.model), draft_name=str(d.model)
     )
-    check_embedding_size(
-        load_model_config(draft_dir, trust_remote_code=d.trust_remote_code),
-        vocab,
-        name=str(d.model),
-        key="draft.model",
-    )
+    with remote_code_refused("draft", draft_dir):
+        draft_cfg = load_model_config(draft_dir, trust_remote_code=d.trust_remote_code)
+    check_embedding_size(draft_cfg, vocab, name=str(d.model), key="draft.model")
     return draft_dir
 
 

@@ -9,6 +9,7 @@ written stays valid.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -109,13 +110,63 @@ class AtomicCheckpoint(Callback):
             )
 
     def save(self, trainer: Any) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{trainer.global_step}.tmp")
+        step = trainer.global_step
+        tmp = self.path.with_name(f".{self.path.name}.{step}.tmp")
         trainer.save_checkpoint(str(tmp), weights_only=False)
         if trainer.is_global_zero:
             _fsync(tmp)
+            digest = file_sha256(tmp)
             os.replace(tmp, self.path)
-            log.debug("checkpoint of step %d -> %s", trainer.global_step, self.path)
+            write_checksum(self.path, step, digest)
+            log.debug("checkpoint of step %d -> %s (sha256 %s)", step, self.path, digest[:12])
         trainer.strategy.barrier("distill.checkpoint")
+
+
+# Bit rot that still unpickles (flipped bytes inside a tensor) loads "fine" and resumes into NaN weights, so each
+# checkpoint gets its sha256 in a sidecar, verified before resuming. The sidecar is written after the rename: a
+# crash between the two leaves the record of the previous save, recognised by its step and then not applied.
+CHECKSUM_SUFFIX = ".sha256.json"
+
+
+def checksum_path(ckpt: Path) -> Path:
+    return ckpt.with_name(ckpt.name + CHECKSUM_SUFFIX)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksum(ckpt: Path, step: int, digest: str | None = None) -> None:
+    """Record `ckpt`'s sha256 (computed when not given) and the step it holds beside it."""
+    from distill.utils.fs import atomic_write_json
+
+    record = {"file": ckpt.name, "global_step": int(step), "sha256": digest or file_sha256(ckpt)}
+    atomic_write_json(checksum_path(ckpt), record)
+
+
+def checksum_problem(ckpt: Path, step: Any) -> str | None:
+    """What is wrong with `ckpt` (which loaded and says it holds `step`) by its sidecar, None when it matches or
+    cannot be checked: no sidecar (a checkpoint from before checksums, a copy), or the sidecar of another save."""
+    from distill.utils.fs import read_json
+
+    side = checksum_path(ckpt)
+    if not side.is_file():
+        return None
+    try:
+        record = read_json(side)
+    except (OSError, ValueError) as exc:
+        log.warning("%s is unreadable (%s); %s is not verified", side, exc, ckpt)
+        return None
+    if not isinstance(record, dict) or record.get("global_step") != step:
+        log.warning("%s records another save than %s (step %s); it is not verified", side, ckpt.name, step)
+        return None
+    if file_sha256(ckpt) != record.get("sha256"):
+        return f"is damaged (its sha256 differs from the one recorded in {side.name} when it was saved)"
+    return None
 
 
 def _fsync(path: Path) -> None:
@@ -266,6 +317,11 @@ class LogProgress(Callback):
         if not trainer.is_global_zero or trainer.sanity_checking:
             return
         figures = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+        # A stand-alone `trainer.validate` (the final or a resumed step's) starts from step 0: the module knows.
+        fitting = trainer.state.fn == "fit"
+        step = (
+            trainer.global_step if fitting else getattr(pl_module, "eval_step", None) or trainer.global_step
+        )
         if figures:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(figures.items()))
-            log.info(f"validation at step {trainer.global_step}: {shown}")
+            log.info(f"validation at step {step}: {shown}")

@@ -2,8 +2,9 @@
 
 A DataLoader item is one *optimizer step* on this rank: a list of `grad_accum` micro-batches. Knowing the whole
 step up front lets the module normalise every micro-batch by the step's global token count (exact gradient
-accumulation). The train loader is torchdata's `StatefulDataLoader` over a `StatefulDistributedSampler`, so a
-checkpoint records the data position and resume continues mid-epoch with exactly the next batch.
+accumulation). The train loader (`PositionedLoader`, a torchdata `StatefulDataLoader`) over a
+`StatefulDistributedSampler` records its position (epoch, batches) in each checkpoint, so resume continues
+mid-epoch with exactly the next batch, whatever train.num_workers is on either side.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from distill.errors import InputError
 from distill.losses import SparseTeacher
@@ -168,6 +170,50 @@ def load_rows(run_dir: Path, split: str, *, cached: bool, max_seq_len: int) -> D
     return DistillRows(ds, cache, max_seq_len)
 
 
+POSITION = "distill_position"
+
+
+class PositionedLoader(StatefulDataLoader):
+    """The train loader, whose checkpointed state is its position: the sampler's epoch and the batches handed out
+    in it. torchdata's own state is a snapshot per worker process, which cannot be restored with another
+    train.num_workers (a run_only key); the position can, and the seeded sampler makes the same batches from it.
+
+    The sampler must be a `StatefulDistributedSampler` and every batch full (`drop_last`), so that batches x
+    batch_size is the number of this rank's rows used.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        it = self._iterator
+        batches = 0 if it is None else int(it._num_yielded)
+        return {POSITION: {"epoch": int(self.sampler.epoch), "batches": batches}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        position = state_dict.get(POSITION) or legacy_position(state_dict)
+        super().load_state_dict({})  # no iterator snapshot: the next iterator starts at the position
+        if position is None:
+            return
+        epoch, batches = position.get("epoch"), int(position["batches"])
+        if batches >= len(self):
+            # The checkpoint came after the epoch's last batch: Lightning goes on with the next epoch, which
+            # must start at its beginning (skipping it whole would train on another epoch's order).
+            epoch, batches = (None if epoch is None else epoch + 1), 0
+        if epoch is not None:
+            # Lightning sets the epoch too, but only after a worker process may have drawn its first indices.
+            self.sampler.set_epoch(int(epoch))
+        self.sampler.load_state_dict({"yielded": batches * int(self.batch_size or 1)})
+
+
+def legacy_position(state: dict[str, Any]) -> dict[str, int] | None:
+    """The position in a checkpoint written before `PositionedLoader` (torchdata's state: `_num_yielded` of the
+    single-process iterator, a snapshot step plus the steps since of the multi-process one); epoch unknown."""
+    if "_num_yielded" in state:
+        return {"batches": int(state["_num_yielded"])}
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, dict) and "_snapshot_step" in snapshot:
+        return {"batches": int(snapshot["_snapshot_step"]) + int(state.get("_steps_since_snapshot", 0))}
+    return None
+
+
 class DistillDataModule(L.LightningDataModule):
     """Train and val loaders over `run_dir/data`. State is built in `setup()` (runs on every rank)."""
 
@@ -215,7 +261,6 @@ class DistillDataModule(L.LightningDataModule):
         return trainer.world_size, trainer.global_rank
 
     def train_dataloader(self) -> Any:
-        from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
         assert self.train_rows is not None
@@ -223,7 +268,7 @@ class DistillDataModule(L.LightningDataModule):
         sampler = StatefulDistributedSampler(
             self.train_rows, num_replicas=world, rank=rank, shuffle=True, seed=self.seed, drop_last=True
         )
-        return StatefulDataLoader(
+        return PositionedLoader(
             self.train_rows,
             batch_size=self.batch_size * self.grad_accum,
             sampler=sampler,

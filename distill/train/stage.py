@@ -1,8 +1,9 @@
 """`distill train`: distil the draft on the target's distributions over the data stage's responses.
 
-Validate everything (model references, vocabulary, data, checkpoint) -> record the stage -> build the draft
-and save it as `draft_init/` -> measure the undistilled draft -> Lightning fit (resumable; SIGTERM and Ctrl-C
-save and exit 130) -> export `draft/` -> mark complete.
+Validate everything (model references and weights, vocabulary, data, checkpoint) -> record the stage (a fresh
+start first deletes what an earlier training left) -> build the draft and save it as `draft_init/` -> measure
+the undistilled draft -> Lightning fit (resumable, from checksummed checkpoints; SIGTERM and Ctrl-C save and
+exit 130) -> export `draft/` (never with non-finite weights) -> mark complete.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from distill import rundir
 from distill.config import Config, to_dict
-from distill.errors import InputError, Interrupted
+from distill.errors import InputError, Interrupted, RuntimeFailure
 from distill.losses import LossSpec
 from distill.train.callbacks import (
     AtomicCheckpoint,
@@ -44,6 +45,7 @@ class Plan:
     spec: LossSpec
     train_rows: int
     val_rows: int
+    resume_step: int | None = None  # the global step `resume_from` holds
 
 
 def train_dir(run_dir: Path) -> Path:
@@ -94,20 +96,25 @@ def _check_data(cfg: Config) -> tuple[int, int]:
     need = t.batch_size * t.grad_accum * world
     if len(train) < need:
         raise InputError(
-            f"train.batch_size: one optimizer step needs {need} sequences (batch_size {t.batch_size} x grad_accum "
-            f"{t.grad_accum} x {world} processes) but {cfg.run_dir}/data/train has {len(train)} usable rows. "
-            "Lower train.batch_size / train.grad_accum, or build more data (data.max_train_prompts)."
+            _cut_by_max_seq_len(cfg, train, need, "train")
+            or f"train.batch_size: one optimizer step needs {need} sequences (batch_size {t.batch_size} x "
+            f"grad_accum {t.grad_accum} x {world} processes) but {cfg.run_dir}/data/train has {len(train)} usable "
+            "rows. Lower train.batch_size / train.grad_accum, or build more data (data.max_train_prompts)."
         )
     if len(val) == 0:
         raise InputError(
-            f"{cfg.run_dir}/data/val has no usable rows; validation needs some. Rerun `distill data` with "
+            _cut_by_max_seq_len(cfg, val, 1, "val")
+            or f"{cfg.run_dir}/data/val has no usable rows; validation needs some. Rerun `distill data` with "
             "data.val_fraction > 0 (and data.max_val_prompts > 0)."
         )
     if cached and train.cache is not None:
-        from distill.models.draft import load_model_config
+        from distill.models.draft import load_model_config, remote_code_refused
         from distill.models.resolve import resolve_model
 
-        target_vocab = int(load_model_config(resolve_model(cfg.target.model, key="target.model")).vocab_size)
+        target_dir = resolve_model(cfg.target.model, key="target.model")
+        with remote_code_refused("target", target_dir):
+            target_cfg = load_model_config(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+        target_vocab = int(target_cfg.vocab_size)
         if train.cache.meta.vocab_size != target_vocab:
             raise InputError(
                 f"{cfg.run_dir}/data/topk: the cache was built for a vocabulary of {train.cache.meta.vocab_size} "
@@ -117,17 +124,71 @@ def _check_data(cfg: Config) -> tuple[int, int]:
     return len(train), len(val)
 
 
+def _cut_by_max_seq_len(cfg: Config, rows: Any, need: int, split: str) -> str | None:
+    """The message naming train.max_seq_len when the cut to it is why `split` has fewer than `need` rows with a
+    response token (the rows have enough before the cut); None when another key is to blame."""
+    firsts = sorted(m.index(1) for m in rows.ds["loss_mask"] if 1 in m)  # each row's first response token
+    if len(firsts) < need:
+        return None
+    least = max(firsts[need - 1] + 1, 8)  # 8: the key's minimum
+    return (
+        f"train.max_seq_len: cutting sequences to {cfg.train.max_seq_len} tokens leaves {len(rows)} of the "
+        f"{len(firsts)} rows of {cfg.run_dir}/data/{split} a response token to learn from, and "
+        f"{'one optimizer step' if split == 'train' else 'validation'} needs {need}. Raise train.max_seq_len "
+        f"to at least {least}."
+    )
+
+
 OTHER_CONFIG = "trained with a different config"
 
 
 def _ckpt_problem(path: Path, stage_hash: str) -> str | None:
-    """None when `path` loads safely and was trained with `stage_hash`, else what is wrong with it."""
+    """None when `path` loads safely, is intact and was trained with `stage_hash`, else what is wrong with it."""
+    from distill.train.callbacks import checksum_problem
+
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         return f"cannot be loaded safely ({type(exc).__name__}: {exc})"
+    damaged = checksum_problem(path, state.get("global_step")) or _non_finite_problem(state)
+    if damaged:
+        return damaged
     saved = (state.get("hyper_parameters") or {}).get("stage_hash")
     return None if saved == stage_hash else OTHER_CONFIG
+
+
+def _tensors(obj: Any, name: str) -> Any:
+    """(name, tensor) of every tensor in nested dicts / lists / tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{name}.{k}")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{name}.{i}")
+
+
+def non_finite_names(tensors: Any) -> list[str]:
+    """Names of the floating-point tensors among (name, tensor) pairs that hold a nan or an inf."""
+    return [n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _non_finite_problem(state: dict[str, Any]) -> str | None:
+    """Weights or optimizer moments that are nan / inf: resuming them trains on nothing but nan."""
+    bad = non_finite_names(_tensors({k: state.get(k) for k in ("state_dict", "optimizer_states")}, "ckpt"))
+    if not bad:
+        return None
+    return f"holds non-finite values (nan/inf) in {_tensor_count(bad)} ({', '.join(n[5:] for n in bad[:3])})"
+
+
+def _tensor_count(names: list[str]) -> str:
+    return f"{len(names)} tensor{'' if len(names) == 1 else 's'}"
+
+
+def _ckpt_step(path: Path) -> int:
+    """The global step a (validated) checkpoint holds; memory-mapped, so its tensors are not read."""
+    return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
 
 
 def _other_checkpoints(ckpt: Path) -> list[Path]:
@@ -137,11 +198,14 @@ def _other_checkpoints(ckpt: Path) -> list[Path]:
 
 
 def _check_resume(cfg: Config, ckpt: Path) -> Path | None:
-    """The newest valid checkpoint to resume from: `last.ckpt`, or when it cannot be loaded, the newest other
-    checkpoint in train/ that loads and was trained with this config."""
-    if cfg.train.resume == "never" or not ckpt.is_file():
+    """The newest valid checkpoint to resume from: `last.ckpt`, or when it is missing or cannot be loaded, the
+    newest other checkpoint in train/ that loads and was trained with this config (a fresh start deletes them,
+    so one of this training is never passed over)."""
+    if cfg.train.resume == "never":
         return None
     want = rundir.stage_hash(cfg, "train")
+    if not ckpt.is_file():
+        return _first_valid(_other_checkpoints(ckpt), want)
     problem = _ckpt_problem(ckpt, want)
     if problem is None:
         return ckpt
@@ -165,12 +229,25 @@ def _check_resume(cfg: Config, ckpt: Path) -> Path | None:
     raise InputError(f"{ckpt}: {problem}, and {fallback}. Delete it or set train.resume=never to start over.")
 
 
+def _first_valid(candidates: list[Path], stage_hash: str) -> Path | None:
+    for path in candidates:
+        if _ckpt_problem(path, stage_hash) is None:
+            log.warning("%s is missing; resuming from %s", path.parent / "last.ckpt", path)
+            return path
+    return None
+
+
 def _check_models(cfg: Config) -> Path:
     from distill.models.draft import preflight_draft
-    from distill.models.resolve import resolve_model
+    from distill.models.resolve import require_weights, resolve_model
 
     target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
-    preflight_draft(cfg, target_dir)  # vocabulary / layer checks on configs and tokenizers only
+    draft_dir = preflight_draft(cfg, target_dir)  # vocabulary / layer checks on configs and tokenizers only
+    # Weights that cannot load (pickle only, cut short) would fail after the run folder is written.
+    if cfg.train.teacher == "online" or cfg.draft.init == "truncate":
+        require_weights(target_dir, key="target.model")
+    if draft_dir is not None:
+        require_weights(draft_dir, key="draft.model")
     return target_dir
 
 
@@ -202,14 +279,16 @@ def validate(cfg: Config) -> Plan:
     n_train, n_val = _check_data(cfg)
     tdir = train_dir(cfg.run_dir)
     ckpt = tdir / "last.ckpt"
+    resume_from = _check_resume(cfg, ckpt)
     return Plan(
         target_dir=target_dir,
         train_dir=tdir,
         ckpt_path=ckpt,
-        resume_from=_check_resume(cfg, ckpt),
+        resume_from=resume_from,
         spec=spec,
         train_rows=n_train,
         val_rows=n_val,
+        resume_step=None if resume_from is None else _ckpt_step(resume_from),
     )
 
 
@@ -436,10 +515,13 @@ def _restore_last(plan: Plan) -> None:
     `last.ckpt` is valid again even when no further step runs."""
     import shutil
 
-    assert plan.resume_from is not None
+    from distill.train.callbacks import write_checksum
+
+    assert plan.resume_from is not None and plan.resume_step is not None
     tmp = plan.ckpt_path.with_name(f".{plan.ckpt_path.name}.restore.tmp")
     shutil.copyfile(plan.resume_from, tmp)
     os.replace(tmp, plan.ckpt_path)
+    write_checksum(plan.ckpt_path, plan.resume_step)  # the unreadable file's record would refuse the copy
     log.warning("replaced the unreadable %s with a copy of %s", plan.ckpt_path, plan.resume_from)
 
 
@@ -447,8 +529,8 @@ def _interrupt_now(signum: int, frame: Any) -> None:
     # Inside a Lightning call but outside fit's step loop: raise what Lightning re-raises (an Exception), not
     # the KeyboardInterrupt it would turn into exit code 1.
     raise Interrupted(
-        f"received {signal.Signals(signum).name} after the last training step (its checkpoint is saved); rerun "
-        "the same command to finish."
+        f"received {signal.Signals(signum).name} outside a training step (the last step's checkpoint is saved); "
+        "rerun the same command to finish."
     )
 
 
@@ -457,7 +539,21 @@ def _export(cfg: Config, module: Any, tokenizer: Any, target_dir: Path) -> Path:
 
     draft = module.draft
     draft.eval()
+    _refuse_non_finite(draft)
     return save_hf_folder(draft, tokenizer, cfg.run_dir / "draft", generation_source=target_dir)
+
+
+def _refuse_non_finite(draft: Any) -> None:
+    """A draft with nan / inf weights is never exported (nor the stage marked complete): eval would measure it,
+    publish would ship it."""
+    bad = non_finite_names([*draft.named_parameters(), *draft.named_buffers()])
+    if bad:
+        raise RuntimeFailure(
+            f"the trained draft has non-finite weights (nan/inf) in {_tensor_count(bad)} ({', '.join(bad[:3])}); it "
+            "is not exported. The checkpoint it resumed from is damaged or training diverged: delete "
+            "train/last.ckpt to fall back to an older checkpoint or set train.resume=never to start over, and "
+            "lower train.lr if it happens again."
+        )
 
 
 def run(cfg: Config) -> int | None:
@@ -484,9 +580,8 @@ def _train(cfg: Config, plan: Plan, memory_retained: bool = False) -> None:
         remove_stale_temporaries(cfg.run_dir)
         if plan.resume_from not in (None, plan.ckpt_path):
             _restore_last(plan)
-        if plan.resume_from is None:  # a fresh start: earlier validations belong to another training
-            for stale in ("val_history.json", "baseline.json", "val_metrics.json"):
-                (plan.train_dir / stale).unlink(missing_ok=True)
+        if plan.resume_from is None:
+            _discard_earlier_training(cfg, plan)
         log.info(
             "train: %d train rows, %d val rows, loss %s, teacher %s, %s",
             plan.train_rows,
@@ -499,9 +594,10 @@ def _train(cfg: Config, plan: Plan, memory_retained: bool = False) -> None:
     tokenizer = load_tokenizer(plan.target_dir, trust_remote_code=cfg.target.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     draft = build_initial_draft(cfg, plan.target_dir)
-    vocab = shared_vocab(
-        len(tokenizer), int(draft.config.vocab_size), int(load_model_config(plan.target_dir).vocab_size)
-    )
+    target_rows = load_model_config(
+        plan.target_dir, trust_remote_code=cfg.target.trust_remote_code
+    ).vocab_size
+    vocab = shared_vocab(len(tokenizer), int(draft.config.vocab_size), int(target_rows))
     teacher = load_teacher(cfg, plan.target_dir)
     baseline: dict[str, Any] | None = None
     if not child:
@@ -516,6 +612,8 @@ def _train(cfg: Config, plan: Plan, memory_retained: bool = False) -> None:
     dm = build_datamodule(cfg, pad_id, parallel_of(draft, cfg.train.parallel_mask_fraction))
     trainer = build_trainer(cfg, plan, stop, memory_retained)
     t0 = time.perf_counter()
+    if _missed_validation(cfg, plan):
+        _validate_resumed_step(trainer, module, dm, plan)
     _fit(trainer, module, dm, plan, stop)
     # fit returns only at max_steps (an interruption raises); spawned strategies leave the parent's loop
     # state at 0, so the configured step count is the reliable one.
@@ -531,9 +629,63 @@ def _train(cfg: Config, plan: Plan, memory_retained: bool = False) -> None:
     return None
 
 
+# What an earlier training left in the run folder besides the data: a fresh start deletes it first.
+EARLIER_TRAINING_FILES = ("val_history.json", "baseline.json", "val_metrics.json")
+EARLIER_TRAINING_DIRS = ("csv", "tensorboard")
+
+
+def _discard_earlier_training(cfg: Config, plan: Plan) -> None:
+    """Before a fresh start writes anything: delete what an earlier training (another config's, or one
+    train.resume=never starts over) left, so that a fresh start interrupted before its first checkpoint leaves
+    neither a checkpoint a rerun would refuse as foreign (or resume) nor a completion record and `draft/` that
+    claim the stage complete beside the new `draft_init/`. A resume never comes here."""
+    import shutil
+
+    from distill.train.callbacks import checksum_path
+
+    rundir.clear_complete(cfg, "train")  # first: the record must not outlive the outputs it describes
+    draft = cfg.run_dir / "draft"
+    if draft.is_dir():
+        shutil.rmtree(draft)
+    for ckpt in plan.train_dir.glob("*.ckpt"):
+        checksum_path(ckpt).unlink(missing_ok=True)
+        ckpt.unlink()
+    for name in EARLIER_TRAINING_FILES:
+        (plan.train_dir / name).unlink(missing_ok=True)
+    for name in EARLIER_TRAINING_DIRS:  # their curves would merge into the new training's
+        if (plan.train_dir / name).is_dir():
+            shutil.rmtree(plan.train_dir / name)
+
+
+def _missed_validation(cfg: Config, plan: Plan) -> bool:
+    """Whether the resumed step is a validation step whose validation never finished. The checkpoint of a step
+    is saved before that step's validation runs, and Lightning does not repeat it on resume, so a hard kill
+    (or a stop request) there would lose it. Read from files every rank sees, so all take the same branch."""
+    from distill.train.module import read_history
+
+    step = plan.resume_step
+    if not step or step % cfg.train.val_every:
+        return False
+    return all(h.get("step") != step for h in read_history(plan.train_dir / "val_history.json"))
+
+
+def _validate_resumed_step(trainer: Any, module: Any, dm: Any, plan: Plan) -> None:
+    """Validate the resumed checkpoint's weights, recorded at its step, before training goes on."""
+    log.info(
+        "validating step %s first: its validation did not finish before the interruption", plan.resume_step
+    )
+    module.eval_step = plan.resume_step
+    with handle_signals(_interrupt_now):
+        trainer.validate(
+            module, datamodule=dm, ckpt_path=str(plan.resume_from), verbose=False, weights_only=True
+        )
+
+
 def merge_csv_logs(tdir: Path) -> Path:
-    """train/csv/version_*/metrics.csv -> train/metrics.csv; rows an attempt replayed after resuming from an
-    earlier step replace the interrupted attempt's rows from that step on."""
+    """train/csv/version_*/metrics.csv -> train/metrics.csv, ordered by step. An attempt that resumed from an
+    earlier step replays rows: per family of rows (training, validation), its rows replace the earlier attempts'
+    rows of that family from its first step on, and families it did not log keep theirs (a rerun of a finished
+    run logs only the final validation, which must not drop the last training row)."""
     import csv
     import io
 
@@ -547,11 +699,9 @@ def merge_csv_logs(tdir: Path) -> Path:
     for path in versions:
         with open(path, newline="") as f:
             new = list(csv.DictReader(f))
-        steps = [int(r["step"]) for r in new if r.get("step")]
-        if steps:
-            rows = [r for r in rows if int(r.get("step") or 0) < min(steps)]
-        rows.extend(new)
+        rows = replace_replayed(rows, new)
         header.extend(k for k in (new[0].keys() if new else []) if k not in header)
+    rows.sort(key=_row_step)  # stable: rows of one step stay in the order they were logged
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=header, restval="")
     writer.writeheader()
@@ -559,6 +709,28 @@ def merge_csv_logs(tdir: Path) -> Path:
     out = tdir / "metrics.csv"
     atomic_write_text(out, buf.getvalue())
     return out
+
+
+def row_family(row: dict[str, str]) -> frozenset[str]:
+    """The metric groups a logged row fills (`train`, `val`, `val_pos`, ...): `train/loss` -> `train`."""
+    return frozenset(
+        k.split("/")[0] for k, v in row.items() if v not in ("", None) and k not in ("step", "epoch")
+    )
+
+
+def _row_step(row: dict[str, str]) -> int:
+    return int(float(row.get("step") or 0))
+
+
+def replace_replayed(rows: list[dict[str, str]], new: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`rows` + `new`, without the rows of `rows` that `new` logged again: those of a family `new` has, at or
+    after the first step `new` logged for it."""
+    first: dict[frozenset[str], int] = {}
+    for r in new:
+        family = row_family(r)
+        first[family] = min(first.get(family, _row_step(r)), _row_step(r))
+    kept = [r for r in rows if _row_step(r) < first.get(row_family(r), _row_step(r) + 1)]
+    return [*kept, *new]
 
 
 def _finish(
