@@ -318,6 +318,17 @@ def test_target_folder_without_loadable_weights_is_exit_2_and_writes_nothing(bas
     assert not run_dir_of(base).exists()
 
 
+def test_a_target_with_custom_code_names_trust_remote_code(base, tmp_path, tiny_target_dir, capsys):
+    from test_train_recovery import _model_copy
+
+    folder = _model_copy(tiny_target_dir, tmp_path / "custom", remote_code=True)
+    overrides = [o for o in base if not o.startswith("target.model=")]
+    assert run_data([*overrides, f"target.model={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert "target.trust_remote_code" in err and "Traceback" not in err
+    assert not run_dir_of(base).exists()
+
+
 def test_limits_count_prompts_that_fit(base, tmp_path, prompts_file):
     """data.max_train_prompts is the number of prompts used, found past the ones too long to keep."""
     long_ones = "".join(json.dumps({"prompt": f"long {i} " + "word " * 200}) + "\n" for i in range(30))

@@ -663,6 +663,24 @@ def test_broken_draft_folder_stops_in_preflight(
     assert not fake_worker
 
 
+@pytest.mark.parametrize("damage", ["custom-code", "truncated"])
+def test_broken_target_folder_stops_in_preflight(
+    cfg_args, capsys, fake_worker, tiny_target_dir, tmp_path, damage
+):
+    from test_train_recovery import _model_copy
+
+    if damage == "custom-code":
+        target, needle = (
+            _model_copy(tiny_target_dir, tmp_path / "custom", remote_code=True),
+            "target.trust_remote_code",
+        )
+    else:
+        target, needle = _truncated(tiny_target_dir, tmp_path / "cut"), "target.model: "
+    args = [a for a in cfg_args if not a.startswith("target.model=")] + [f"target.model={target}"]
+    _assert_input_error(args, capsys, needle)
+    assert not fake_worker
+
+
 def test_second_broken_draft_is_named_by_its_index(cfg_args, capsys, fake_worker, tiny_target_dir, tmp_path):
     bad = _no_weights(tiny_target_dir, tmp_path / "bad")
     drafts = f"[{{name: ok, model: {tiny_target_dir}}}, {{name: bad, model: {bad}}}]"

@@ -646,20 +646,21 @@ def print_summary(manifest: dict[str, Any], run_dir: Path) -> None:
 
 
 def _validate(cfg: Config) -> tuple[Path, Any, str]:
-    from distill.models.draft import load_tokenizer
+    from distill.models.draft import load_tokenizer, remote_code_refused
     from distill.models.resolve import require_weights, resolve_model
 
     target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
     if cfg.data.responses == "generate" or cfg.data.logits.top_k:  # the target's weights will be loaded
         require_weights(target_dir, key="target.model")
-    tok = load_tokenizer(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    with remote_code_refused("target", target_dir):
+        tok = load_tokenizer(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+        check_lengths(cfg, target_dir)
     require_chat_template(tok, cfg.target.model)
     if tok.eos_token_id is None:
         raise InputError(
             f"target.model: the tokenizer of {cfg.target.model} has no EOS token; the data stage "
             "needs one to end responses. Set `eos_token` in its tokenizer_config.json."
         )
-    check_lengths(cfg, target_dir)
     engine = choose_engine(cfg.data)
     if cfg.data.logits.top_k and cfg.data.logits.source == "vllm" and engine != "vllm":
         raise InputError(

@@ -293,14 +293,16 @@ def prompt_shortfall(cfg: Config, got: int, read: int, skipped: int, source: str
 
 
 def preflight(cfg: Config) -> Plan:
-    from distill.models.draft import load_model_config, load_tokenizer
-    from distill.models.resolve import resolve_model
+    from distill.models.draft import load_model_config, load_tokenizer, remote_code_refused
+    from distill.models.resolve import require_weights, resolve_model
 
     engine, notes = choose_engine(cfg)
     target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
+    require_weights(target_dir, key="target.model")
     tc = cfg.target.trust_remote_code
-    target_tok = load_tokenizer(target_dir, trust_remote_code=tc)
-    target_config = load_model_config(target_dir, trust_remote_code=tc)
+    with remote_code_refused("target", target_dir):
+        target_tok = load_tokenizer(target_dir, trust_remote_code=tc)
+        target_config = load_model_config(target_dir, trust_remote_code=tc)
     drafts, draft_configs = resolve_drafts(cfg, target_tok, target_config)
     parallel, parallel_notes = parallel_drafts(cfg, draft_configs)
     records, source = load_eval_prompts(cfg)
