@@ -110,3 +110,28 @@ def test_stop_flag_second_ctrl_c_stops_at_once():
     with pytest.raises(KeyboardInterrupt):
         flag.handler(signal.SIGINT, None)
     assert flag.forced
+
+
+def test_checkpoint_save_flushes_the_csv_rows_logged_so_far(tmp_path):
+    """CSVLogger writes its rows every 100 steps; a checkpoint flushes them, so a kill -9 right after a save
+    loses none of the rows the resumed run will not log again."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from distill.train.callbacks import AtomicCheckpoint, StopFlag
+
+    logger = CSVLogger(str(tmp_path), name="csv")
+    for step in (1, 2, 3):
+        logger.log_metrics({"train/loss": 1.0 / step}, step=step)
+    trainer = SimpleNamespace(
+        global_step=3,
+        loggers=[logger],
+        is_global_zero=True,
+        save_checkpoint=lambda path, weights_only=False: Path(path).write_bytes(b"ckpt"),
+        strategy=SimpleNamespace(barrier=lambda name: None),
+    )
+    AtomicCheckpoint(tmp_path / "last.ckpt", every=10, max_steps=10, stop=StopFlag()).save(trainer)
+    rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 3

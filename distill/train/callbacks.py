@@ -111,6 +111,10 @@ class AtomicCheckpoint(Callback):
 
     def save(self, trainer: Any) -> None:
         step = trainer.global_step
+        # The CSV logger writes its rows every 100 steps: flushed with each checkpoint, a kill -9 loses no row
+        # of the steps the resumed run will not replay.
+        for logger in trainer.loggers:
+            logger.save()
         tmp = self.path.with_name(f".{self.path.name}.{step}.tmp")
         trainer.save_checkpoint(str(tmp), weights_only=False)
         if trainer.is_global_zero:
