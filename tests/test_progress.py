@@ -44,7 +44,8 @@ def test_training_progress_lines(caplog):
     clock = FakeClock()
     caplog.set_level(logging.INFO, logger="distill.train")
     trainer = SimpleNamespace(global_step=0, max_steps=300, is_global_zero=True, sanity_checking=False,
-                              callback_metrics={"loss": torch.tensor(2.5)})  # fmt: skip
+                              callback_metrics={"loss": torch.tensor(2.5)},
+                              state=SimpleNamespace(fn="fit"))  # fmt: skip
     cb = LogProgress(every_s=30, clock=clock)
     cb.on_train_start(trainer, None)
     for _ in range(20):  # 2 s per step: a line every 15 steps
@@ -53,10 +54,15 @@ def test_training_progress_lines(caplog):
         cb.on_train_batch_end(trainer, None, None, None, 0)
     trainer.callback_metrics = {"val/top1_agreement": torch.tensor(0.25), "loss": torch.tensor(2.0)}
     cb.on_validation_end(trainer, None)
+    # A stand-alone validation (trainer.validate: the final one, or a resumed step's) counts from step 0; the
+    # module's eval_step says which step it measures.
+    trainer.global_step, trainer.state.fn = 0, "validate"
+    cb.on_validation_end(trainer, SimpleNamespace(eval_step=300))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "train: step 15/300 (5%), loss 2.5000, 2.00 s/step, eta 9.5 min",
         "validation at step 20: val/top1_agreement 0.2500",
+        "validation at step 300: val/top1_agreement 0.2500",
     ]
 
 
