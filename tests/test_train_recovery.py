@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_folders import model_copy
 from test_train_stage import (  # the shared tiny-run helpers (and the session's data template)
     _signal_at_step,
     csv_val_rows,
@@ -112,8 +113,9 @@ def test_checkpoint_with_non_finite_weights_is_not_resumable(tmp_path):
 
 
 def test_damaged_last_checkpoint_falls_back_and_is_restored(tiny_config_overrides, data_template):
-    from distill.train.callbacks import checksum_path
+    from distill.train.callbacks import checksum_path, checksum_problem
     from distill.train.stage import run, validate
+    from distill.utils.fs import sha256_file
 
     cfg = make_cfg(
         tiny_config_overrides, data_template, "train.max_steps=3", "train.val_every=3", "train.ckpt_every=1"
@@ -125,9 +127,29 @@ def test_damaged_last_checkpoint_falls_back_and_is_restored(tiny_config_override
     shutil.copy(last, td / "backup.ckpt")  # a copy has no checksum record: loadable, unverified
     _flip(last, xor=0x01)
     assert validate(cfg).resume_from == td / "backup.ckpt"
+    run(cfg)  # resumes from the copy, which is put back over the damaged last.ckpt with a fresh record
+    assert sha256_file(last) == sha256_file(td / "backup.ckpt")
+    assert checksum_problem(last, 3) is None
+    assert json.loads(checksum_path(last).read_text())["global_step"] == 3
+    _flip(last, xor=0x01)
     (td / "backup.ckpt").unlink()
     with pytest.raises(InputError, match=r"damaged \(its sha256 differs.*no other checkpoint"):
         validate(cfg)
+
+
+def test_missing_last_checkpoint_with_only_foreign_ones_is_refused_not_deleted(
+    tiny_config_overrides, data_template
+):
+    from distill.train.stage import validate
+
+    cfg = make_cfg(tiny_config_overrides, data_template, "train.max_steps=2", "train.ckpt_every=1")
+    td = cfg.run_dir / "train"
+    td.mkdir(parents=True)
+    state = {"global_step": 1, "hyper_parameters": {"stage_hash": "another config"}, "optimizer_states": []}
+    torch.save({**state, "state_dict": {"draft.w": torch.ones(2)}}, td / "copy.ckpt")
+    with pytest.raises(InputError, match=r"no last\.ckpt.*copy\.ckpt trained with a different config"):
+        validate(cfg)
+    assert (td / "copy.ckpt").is_file()
 
 
 def test_export_refuses_a_draft_with_non_finite_weights(tiny_llama, tiny_tokenizer, tmp_path):
@@ -213,6 +235,19 @@ def test_loader_position_resumes_with_any_worker_count():
         again = _loader(after, data)
         again.load_state_dict(first.state_dict())  # Lightning restores the state before it sets the epoch
         assert seen + _epoch(again, 1) == epoch1, (before, after)
+    # Resumed twice in one epoch: the second save counts the batches handed out before the first resume too.
+    first = _loader(0, data)
+    first.sampler.set_epoch(1)
+    it = iter(first)
+    seen = [next(it).tolist() for _ in range(2)]
+    second = _loader(2, data)
+    second.load_state_dict(first.state_dict())
+    it = iter(second)
+    seen += [next(it).tolist()]
+    assert second.state_dict()["distill_position"] == {"epoch": 1, "batches": 3}
+    third = _loader(0, data)
+    third.load_state_dict(second.state_dict())
+    assert seen + _epoch(third, 1) == epoch1
     # Saved after the epoch's last batch: the next epoch starts whole (not skipped).
     first = _loader(0, data)
     assert _epoch(first, 1) == epoch1
@@ -287,19 +322,6 @@ def test_merge_replaces_replayed_rows_per_family(tmp_path):
 # 6-8. Input the validation refuses before anything is written
 
 
-def _model_copy(src: Path, dst: Path, *, pickled: bool = False, remote_code: bool = False) -> Path:
-    shutil.copytree(src, dst)
-    if pickled:  # pickled weights only, as older hub folders have
-        (dst / "model.safetensors").unlink()
-        (dst / "pytorch_model.bin").write_bytes(b"pickled weights")
-    if remote_code:  # a model type transformers knows only through the folder's own code
-        config = json.loads((dst / "config.json").read_text())
-        config["model_type"] = "xllama"
-        config["auto_map"] = {"AutoConfig": "configuration_x.XConfig"}
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 @pytest.mark.parametrize("which", ["target", "draft"])
 def test_pickle_only_weights_are_refused_before_writing(
     which, tiny_config_overrides, data_template, tiny_target_dir, tiny_draft_dir, tmp_path
@@ -307,7 +329,7 @@ def test_pickle_only_weights_are_refused_before_writing(
     from distill.train.stage import run
 
     src = tiny_target_dir if which == "target" else tiny_draft_dir
-    folder = _model_copy(src, tmp_path / "pickled", pickled=True)
+    folder = model_copy(src, tmp_path / "pickled", weights="pickled")
     extra = (
         [f"target.model={folder}"]
         if which == "target"
@@ -326,7 +348,7 @@ def test_custom_code_names_trust_remote_code(
     from distill.train.stage import run
 
     src = tiny_target_dir if which == "target" else tiny_draft_dir
-    folder = _model_copy(src, tmp_path / "custom", remote_code=True)
+    folder = model_copy(src, tmp_path / "custom", remote_code=True)
     extra = (
         [f"target.model={folder}"]
         if which == "target"

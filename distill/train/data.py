@@ -182,10 +182,18 @@ class PositionedLoader(StatefulDataLoader):
     batch_size is the number of this rank's rows used.
     """
 
+    # Where a resumed epoch started: its iterator counts batches from 0 again, so the position it reports adds
+    # the batches handed out before the resume (only while that epoch lasts).
+    _resumed_at: tuple[int | None, int] = (None, 0)
+
     def state_dict(self) -> dict[str, Any]:
         it = self._iterator
-        batches = 0 if it is None else int(it._num_yielded)
-        return {POSITION: {"epoch": int(self.sampler.epoch), "batches": batches}}
+        epoch = int(self.sampler.epoch)
+        resumed_epoch, resumed_batches = self._resumed_at
+        batches = (0 if it is None else int(it._num_yielded)) + (
+            resumed_batches if resumed_epoch == epoch else 0
+        )
+        return {POSITION: {"epoch": epoch, "batches": batches}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         position = state_dict.get(POSITION) or legacy_position(state_dict)
@@ -201,6 +209,7 @@ class PositionedLoader(StatefulDataLoader):
             # Lightning sets the epoch too, but only after a worker process may have drawn its first indices.
             self.sampler.set_epoch(int(epoch))
         self.sampler.load_state_dict({"yielded": batches * int(self.batch_size or 1)})
+        self._resumed_at = (int(self.sampler.epoch), batches)
 
 
 def legacy_position(state: dict[str, Any]) -> dict[str, int] | None:
