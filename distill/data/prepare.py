@@ -61,22 +61,30 @@ def require_chat_template(tok: Any, model_ref: str) -> None:
         )
 
 
-def prompt_token_ids(tok: Any, rec: PromptRecord, system_prompt: str | None) -> list[int]:
+def prompt_token_ids(
+    tok: Any, rec: PromptRecord, system_prompt: str | None, *, key: str = "data.source"
+) -> list[int]:
+    """The chat-templated prompt's token ids; a template that refuses the conversation is an `InputError`
+    naming data.system_prompt when one was added, else `key` (where the prompts come from)."""
     messages = list(rec.messages)
     if system_prompt and not (messages and messages[0].get("role") == "system"):
         messages = [{"role": "system", "content": system_prompt}, *messages]
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:  # templates may refuse a conversation, e.g. "System role not supported"
-        raise _template_refusal(rec, messages, system_prompt, exc) from None
+        raise _template_refusal(rec, messages, system_prompt, exc, key) from None
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def _template_refusal(
-    rec: PromptRecord, messages: list[dict[str, str]], system_prompt: str | None, exc: Exception
+    rec: PromptRecord,
+    messages: list[dict[str, str]],
+    system_prompt: str | None,
+    exc: Exception,
+    source_key: str,
 ) -> InputError:
     has_system = any(m.get("role") == "system" for m in messages)
-    key = "data.system_prompt" if system_prompt else "data.source"
+    key = "data.system_prompt" if system_prompt else source_key
     fix = (
         "unset data.system_prompt (or drop the system turns from the source)"
         if has_system

@@ -137,7 +137,7 @@ def existing_state(cfg: Config, dhash: str, prompts_hash: str | None = None) -> 
     state = "none"
     if manifest is not None:
         if manifest.get("config_hash") == dhash:
-            if _other_prompts(manifest, prompts_hash):
+            if _other_prompts(manifest, prompts_hash, partial=False):
                 return _prompts_changed(cfg, manifest_path(run_dir).parent)
             problem = store.check_outputs(run_dir, manifest)
             if problem is None:
@@ -150,16 +150,17 @@ def existing_state(cfg: Config, dhash: str, prompts_hash: str | None = None) -> 
             return "damaged"
         previous = manifest.get("config")
     else:
+        own = store.work_dir(run_dir, cfg.data.shard_index, cfg.data.num_shards)
         for job in sorted(data_dir(run_dir).glob("*/job.json")) + sorted(
             data_dir(run_dir).glob("shards/*/job.json")
         ):
             rec = read_json(job)
-            if not _has_work(job.parent):
-                continue  # a run that failed before its first chunk: nothing to protect
+            if job.parent == own and not _has_work(own):
+                continue  # this job's own earlier attempt failed before its first chunk: nothing to protect
             if rec.get("config_hash") != dhash:
-                previous = rec.get("config")
+                previous = rec.get("config")  # (another shard's job may still be running: never skipped)
                 break
-            if _other_prompts(rec, prompts_hash):
+            if _other_prompts(rec, prompts_hash, partial=_has_work(job.parent)):
                 return _prompts_changed(cfg, job.parent)
             state = "partial"
     if previous is None:
@@ -173,9 +174,15 @@ def existing_state(cfg: Config, dhash: str, prompts_hash: str | None = None) -> 
     )
 
 
-def _other_prompts(record: dict[str, Any], prompts_hash: str | None) -> bool:
-    recorded = record.get("prompts_sha256")  # builds before 2026-12-06 recorded none
-    return prompts_hash is not None and recorded is not None and recorded != prompts_hash
+def _other_prompts(record: dict[str, Any], prompts_hash: str | None, *, partial: bool) -> bool:
+    """Whether `record` (a manifest or job.json) was built for other prompts than `prompts_hash`. Builds before
+    2026-12-06 recorded none: a finished one is consistent in itself (its rows hold their prompts), but the
+    chunks of a partial one are matched to prompts by position, and which prompts a config selects changed
+    that day, so an unrecorded partial build counts as other prompts."""
+    if prompts_hash is None:
+        return False
+    recorded = record.get("prompts_sha256")
+    return partial if recorded is None else recorded != prompts_hash
 
 
 def _prompts_changed(cfg: Config, where: Path) -> str:
@@ -183,9 +190,9 @@ def _prompts_changed(cfg: Config, where: Path) -> str:
         return "stale"
     raise InputError(
         f"data.source: the prompts of '{cfg.data.source}' (after the split, limits and chat template) are not "
-        f"the ones {where} was built from, though the config is the same: its responses answer the old "
-        "prompts. Restore the source, set data.overwrite=true to discard that data and rebuild, or use "
-        "another run.dir."
+        f"known to be the ones {where} was built from, though the config is the same: its responses may "
+        "answer other prompts. Restore the source, set data.overwrite=true to discard that data and rebuild, "
+        "or use another run.dir."
     )
 
 
