@@ -9,7 +9,6 @@ written stays valid.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from distill.errors import Interrupted
+from distill.utils.fs import sha256_file
 
 log = logging.getLogger("distill.train")
 GIB = 1024**3
@@ -119,7 +119,7 @@ class AtomicCheckpoint(Callback):
         trainer.save_checkpoint(str(tmp), weights_only=False)
         if trainer.is_global_zero:
             _fsync(tmp)
-            digest = file_sha256(tmp)
+            digest = sha256_file(tmp)
             os.replace(tmp, self.path)
             write_checksum(self.path, step, digest)
             log.debug("checkpoint of step %d -> %s (sha256 %s)", step, self.path, digest[:12])
@@ -136,19 +136,11 @@ def checksum_path(ckpt: Path) -> Path:
     return ckpt.with_name(ckpt.name + CHECKSUM_SUFFIX)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * 1024 * 1024):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_checksum(ckpt: Path, step: int, digest: str | None = None) -> None:
     """Record `ckpt`'s sha256 (computed when not given) and the step it holds beside it."""
     from distill.utils.fs import atomic_write_json
 
-    record = {"file": ckpt.name, "global_step": int(step), "sha256": digest or file_sha256(ckpt)}
+    record = {"file": ckpt.name, "global_step": int(step), "sha256": digest or sha256_file(ckpt)}
     atomic_write_json(checksum_path(ckpt), record)
 
 
@@ -168,7 +160,7 @@ def checksum_problem(ckpt: Path, step: Any) -> str | None:
     if not isinstance(record, dict) or record.get("global_step") != step:
         log.warning("%s records another save than %s (step %s); it is not verified", side, ckpt.name, step)
         return None
-    if file_sha256(ckpt) != record.get("sha256"):
+    if sha256_file(ckpt) != record.get("sha256"):
         return f"is damaged (its sha256 differs from the one recorded in {side.name} when it was saved)"
     return None
 

@@ -230,10 +230,20 @@ def _check_resume(cfg: Config, ckpt: Path) -> Path | None:
 
 
 def _first_valid(candidates: list[Path], stage_hash: str) -> Path | None:
+    """The newest usable checkpoint when last.ckpt is missing; None when there is none at all. Checkpoints that
+    are all foreign or damaged are refused rather than deleted by the fresh start that None would mean."""
+    tried = []
     for path in candidates:
-        if _ckpt_problem(path, stage_hash) is None:
+        why = _ckpt_problem(path, stage_hash)
+        if why is None:
             log.warning("%s is missing; resuming from %s", path.parent / "last.ckpt", path)
             return path
+        tried.append(f"{path.name} {why}")
+    if tried:
+        raise InputError(
+            f"{candidates[0].parent}: no last.ckpt, and no other checkpoint there can be resumed ({'; '.join(tried)}). "
+            "Use a new run.dir, restore the config, or set train.resume=never to start over (it deletes them)."
+        )
     return None
 
 
@@ -630,7 +640,7 @@ def _train(cfg: Config, plan: Plan, memory_retained: bool = False) -> None:
 
 
 # What an earlier training left in the run folder besides the data: a fresh start deletes it first.
-EARLIER_TRAINING_FILES = ("val_history.json", "baseline.json", "val_metrics.json")
+EARLIER_TRAINING_FILES = ("val_history.json", "baseline.json", "val_metrics.json", "metrics.csv")
 EARLIER_TRAINING_DIRS = ("csv", "tensorboard")
 
 
@@ -641,7 +651,7 @@ def _discard_earlier_training(cfg: Config, plan: Plan) -> None:
     claim the stage complete beside the new `draft_init/`. A resume never comes here."""
     import shutil
 
-    from distill.train.callbacks import checksum_path
+    from distill.train.callbacks import CHECKSUM_SUFFIX, checksum_path
 
     rundir.clear_complete(cfg, "train")  # first: the record must not outlive the outputs it describes
     draft = cfg.run_dir / "draft"
@@ -650,6 +660,8 @@ def _discard_earlier_training(cfg: Config, plan: Plan) -> None:
     for ckpt in plan.train_dir.glob("*.ckpt"):
         checksum_path(ckpt).unlink(missing_ok=True)
         ckpt.unlink()
+    for orphan in plan.train_dir.glob(f"*.ckpt{CHECKSUM_SUFFIX}"):  # sidecars of checkpoints deleted by hand
+        orphan.unlink()
     for name in EARLIER_TRAINING_FILES:
         (plan.train_dir / name).unlink(missing_ok=True)
     for name in EARLIER_TRAINING_DIRS:  # their curves would merge into the new training's
