@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from model_folders import model_copy
 
 from distill.cli import main
 from distill.errors import RuntimeFailure
@@ -607,21 +608,12 @@ def test_empty_temperatures_is_a_config_error(cfg_args, capsys, fake_worker):
     _assert_input_error([*cfg_args, "eval.temperatures=[]", "eval.engine=hf"], capsys, "eval.temperatures")
 
 
-def _draft_copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
 def _no_weights(src: Path, dst: Path) -> Path:
-    (_draft_copy(src, dst) / "model.safetensors").unlink()
-    return dst
+    return model_copy(src, dst, weights="missing")
 
 
 def _truncated(src: Path, dst: Path) -> Path:
-    weights = _draft_copy(src, dst) / "model.safetensors"
-    data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2])
-    return dst
+    return model_copy(src, dst, weights="truncated")
 
 
 def _rows(n: int, *, config_rows: int | None = None):
@@ -667,17 +659,47 @@ def test_broken_draft_folder_stops_in_preflight(
 def test_broken_target_folder_stops_in_preflight(
     cfg_args, capsys, fake_worker, tiny_target_dir, tmp_path, damage
 ):
-    from test_train_recovery import _model_copy
-
     if damage == "custom-code":
         target, needle = (
-            _model_copy(tiny_target_dir, tmp_path / "custom", remote_code=True),
+            model_copy(tiny_target_dir, tmp_path / "custom", remote_code=True),
             "target.trust_remote_code",
         )
     else:
         target, needle = _truncated(tiny_target_dir, tmp_path / "cut"), "target.model: "
     args = [a for a in cfg_args if not a.startswith("target.model=")] + [f"target.model={target}"]
     _assert_input_error(args, capsys, needle)
+    assert not fake_worker
+
+
+def test_custom_code_draft_names_draft_trust_remote_code(
+    cfg_args, capsys, fake_worker, tiny_target_dir, tmp_path
+):
+    draft = model_copy(tiny_target_dir, tmp_path / "custom", remote_code=True)
+    args = _with_drafts(cfg_args, f"[{{name: x, model: {draft}}}]")
+    _assert_input_error(args, capsys, "draft.trust_remote_code", "only if you trust this code")
+    assert not fake_worker
+
+
+def test_a_chat_template_that_refuses_an_eval_prompt_names_eval_prompts(
+    cfg_args, capsys, fake_worker, tiny_target_dir, tmp_path
+):
+    target = model_copy(tiny_target_dir, tmp_path / "no_system")
+    refuse_system = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    (target / "chat_template.jinja").write_text(refuse_system)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = tmp_path / "eval.jsonl"
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    prompts.write_text(json.dumps({"messages": turns}) + "\n")
+    args = [a for a in cfg_args if not a.startswith("target.model=")]
+    args += [f"target.model={target}", f"eval.prompts={prompts}"]
+    _assert_input_error(
+        args, capsys, "eval.prompts: the target's chat template rejects", "System role not supported"
+    )
     assert not fake_worker
 
 

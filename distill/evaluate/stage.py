@@ -82,7 +82,7 @@ def resolve_drafts(
 ) -> tuple[dict[str, Path], dict[str, Any]]:
     """Resolve every `eval.drafts[i].model` and check it speaks the target's vocabulary and holds readable
     weights."""
-    from distill.models.draft import check_same_vocab, load_tokenizer
+    from distill.models.draft import check_same_vocab, load_tokenizer, remote_code_refused
     from distill.models.resolve import resolve_model
 
     if not cfg.eval.drafts:
@@ -99,7 +99,10 @@ def resolve_drafts(
             )
         folder = resolve_model(d.model, key=key)
         try:
-            tok = load_tokenizer(folder, trust_remote_code=cfg.draft.trust_remote_code)
+            with remote_code_refused("draft", folder):
+                tok = load_tokenizer(folder, trust_remote_code=cfg.draft.trust_remote_code)
+        except InputError:
+            raise
         except Exception as exc:
             raise InputError(f"{key}: cannot load a tokenizer from {folder} ({exc}).") from exc
         vocab = check_same_vocab(
@@ -112,10 +115,13 @@ def resolve_drafts(
 
 
 def _draft_config(cfg: Config, folder: Path, key: str) -> Any:
-    from distill.models.draft import load_model_config
+    from distill.models.draft import load_model_config, remote_code_refused
 
     try:
-        return load_model_config(folder, trust_remote_code=cfg.draft.trust_remote_code)
+        with remote_code_refused("draft", folder):
+            return load_model_config(folder, trust_remote_code=cfg.draft.trust_remote_code)
+    except InputError:
+        raise
     except Exception as exc:  # a missing or malformed config.json: the user's folder, not a bug of ours
         raise InputError(f"{key}: cannot read the model config of {folder} ({exc}).") from exc
 
@@ -218,20 +224,26 @@ def load_eval_prompts(cfg: Config) -> tuple[list[Any], str]:
 
 
 def tokenize_prompts(
-    records: list[Any], tok: Any, max_prompt_tokens: int, limit: int | None = None
+    records: list[Any],
+    tok: Any,
+    max_prompt_tokens: int,
+    limit: int | None = None,
+    *,
+    key: str = "eval.prompts",
 ) -> tuple[list[list[int]], int]:
     """Chat-template each prompt into token ids, keeping the first `limit` that fit; prompts longer than
     `max_prompt_tokens` are skipped (and counted)."""
+    from distill.data.prepare import prompt_token_ids
+
     out: list[list[int]] = []
     skipped = 0
     for rec in records:
         if limit is not None and len(out) >= limit:
             break
         if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(rec.messages, add_generation_prompt=True, tokenize=False)
+            ids = prompt_token_ids(tok, rec, None, key=key)
         else:
-            text = rec.text
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            ids = list(tok(rec.text, add_special_tokens=False)["input_ids"])
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
@@ -306,7 +318,13 @@ def preflight(cfg: Config) -> Plan:
     drafts, draft_configs = resolve_drafts(cfg, target_tok, target_config)
     parallel, parallel_notes = parallel_drafts(cfg, draft_configs)
     records, source = load_eval_prompts(cfg)
-    prompts, skipped = tokenize_prompts(records, target_tok, cfg.data.max_prompt_tokens, cfg.eval.num_prompts)
+    prompts, skipped = tokenize_prompts(
+        records,
+        target_tok,
+        cfg.data.max_prompt_tokens,
+        cfg.eval.num_prompts,
+        key="eval.prompts" if cfg.eval.prompts else "data.source",
+    )
     if not prompts:
         raise InputError(
             f"eval.prompts: all {len(records)} prompts are longer than data.max_prompt_tokens="
