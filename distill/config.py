@@ -333,7 +333,10 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
                     "quotes, e.g. 'eval.k=[1,2]', and quote a string holding ': ' (key='\"a: b\"')."
                 ]
             ) from None
-    return OmegaConf.from_dotlist(list(overrides))
+    try:  # each parses alone; together they can still clash (a key set both as a value and as a section)
+        return OmegaConf.from_dotlist(list(overrides))
+    except Exception as exc:
+        raise ConfigError([f"overrides {overrides}: {_one_line(exc)}"]) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -54,8 +54,10 @@ def test_speculative_config_is_the_rows_own_with_the_release_as_model():
     assert card.speculative_config("rel/1", hot, report)["rejection_sample_method"] == "block"
     rec = _rec(hot) | {"speculative_config": {"method": "draft_model", "model": OURS, "x": 1}}
     served = card.speculative_config("rel/1", hot, {"recommendation": rec}, from_rec=True)
-    assert served == {"method": "draft_model", "model": "rel/1", "x": 1}
+    # A recommended config without k (an older report) takes the row's: render() reads it.
+    assert served == {"method": "draft_model", "model": "rel/1", "x": 1, "num_speculative_tokens": 3}
     assert rec["speculative_config"]["model"] == OURS  # the report is not modified
+    assert "num_speculative_tokens" not in rec["speculative_config"]
 
 
 def _render(rows: list[dict[str, Any]], report: dict[str, Any]) -> str:

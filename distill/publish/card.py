@@ -231,7 +231,9 @@ def speculative_config(
     """
     rec = section(report, "recommendation") if from_rec else {}
     measured = rec.get("speculative_config") or (eval_report.speculative_config(row) if row else None)
-    spec = dict(measured or {"method": "draft_model", "num_speculative_tokens": UNMEASURED_K})
+    spec = dict(measured or {"method": "draft_model"})
+    # A recommendation from an older report may carry a speculative_config without k: the row has it.
+    spec.setdefault("num_speculative_tokens", int(row["k"]) if row and row.get("k") else UNMEASURED_K)
     spec["model"] = model_ref
     parallel, _ = parallel_setting(row)
     if parallel:  # a report from before parallel drafts: the draft's config says so (gate warns)
