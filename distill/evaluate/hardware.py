@@ -36,6 +36,15 @@ def _read(path: str) -> str:
         return ""
 
 
+def load_avg() -> float | None:
+    """1-minute load average before a timed pass: timings taken while other processes hold the cores are not
+    comparable (the report's fallback busy-machine signal where the CPU share cannot be read)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def usable_cores() -> int:
     """Cores this process may run on (cgroup/affinity limits included), not just those the machine has."""
     try:

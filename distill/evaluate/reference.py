@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from distill.errors import InputError
+from distill.evaluate import hardware
 from distill.utils.fs import atomic_write_json
 from distill.vllm_worker.speculate import cpu_snapshot as machine_snapshot
 from distill.vllm_worker.speculate import foreign_cpu_share
@@ -688,14 +689,6 @@ def _empty_result(c: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_avg() -> float | None:
-    """1-minute load average before a timed pass (the report's fallback busy-machine signal)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
 def cpu_snapshot() -> tuple[int, int] | None:
     """(machine busy ticks, this process's ticks), for the share of the CPU other processes took during a
     timed pass (`foreign_cpu`, as the vLLM worker reports it). The reference engine runs in this process
@@ -734,7 +727,7 @@ def run_config(job: dict[str, Any], c: dict[str, Any], models: _ModelCache, toke
     token_ids: list[list[int]] = []
     stats = SpecStats(res["k"])
     for r in range(int(job.get("repeats", 1))):
-        res["load_avg"].append(load_avg())
+        res["load_avg"].append(hardware.load_avg())
         cpu0 = cpu_snapshot()
         t0 = time.perf_counter()
         outs, pass_stats = _one_pass(run_one, prompts, seed, device, res["k"])

@@ -134,7 +134,7 @@ def measure_temperature(
     deltas: list[SpecCounters] = []
     for _ in range(int(job.get("repeats", 1))):
         before = extract_spec_counters(llm.get_metrics())
-        res["load_avg"].append(_load_avg())
+        res["load_avg"].append(hardware.load_avg())
         cpu0 = cpu_snapshot()
         t0 = clock()
         outs = _generate(llm, prompts, params)
@@ -203,14 +203,6 @@ def foreign_cpu_share(
     capacity = wall_s * ticks_per_s * (os.cpu_count() or 1)
     foreign = (after[0] - before[0]) - (after[1] - before[1])
     return round(max(0.0, foreign / capacity), 3)
-
-
-def _load_avg() -> float | None:
-    """1-minute load average: timings taken while other processes hold the cores are not comparable."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def _shutdown(llm: Any) -> None:
