@@ -322,42 +322,40 @@ def test_merge_replaces_replayed_rows_per_family(tmp_path):
 # 6-8. Input the validation refuses before anything is written
 
 
-@pytest.mark.parametrize("which", ["target", "draft"])
-def test_pickle_only_weights_are_refused_before_writing(
-    which, tiny_config_overrides, data_template, tiny_target_dir, tiny_draft_dir, tmp_path
-):
+def _run_with_broken_model(which, overrides, data_template, folder, match):
+    """Train with `folder` as the target or as a pretrained draft; it must be refused before anything is written."""
     from distill.train.stage import run
 
-    src = tiny_target_dir if which == "target" else tiny_draft_dir
-    folder = model_copy(src, tmp_path / "pickled", weights="pickled")
     extra = (
         [f"target.model={folder}"]
         if which == "target"
         else ["draft.init=pretrained", f"draft.model={folder}"]
     )
-    cfg = make_cfg(tiny_config_overrides, data_template, *extra)
-    with pytest.raises(InputError, match=rf"{which}\.model: .*pickled weights"):
+    cfg = make_cfg(overrides, data_template, *extra)
+    with pytest.raises(InputError, match=match):
         run(cfg)
     assert not (cfg.run_dir / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_pickle_only_weights_are_refused_before_writing(
+    which, tiny_config_overrides, data_template, tiny_target_dir, tiny_draft_dir, tmp_path
+):
+    src = tiny_target_dir if which == "target" else tiny_draft_dir
+    folder = model_copy(src, tmp_path / "pickled", weights="pickled")
+    _run_with_broken_model(
+        which, tiny_config_overrides, data_template, src, folder, rf"{which}\.model: .*pickled weights"
+    )
 
 
 @pytest.mark.parametrize("which", ["target", "draft"])
 def test_custom_code_names_trust_remote_code(
     which, tiny_config_overrides, data_template, tiny_target_dir, tiny_draft_dir, tmp_path
 ):
-    from distill.train.stage import run
-
     src = tiny_target_dir if which == "target" else tiny_draft_dir
     folder = model_copy(src, tmp_path / "custom", remote_code=True)
-    extra = (
-        [f"target.model={folder}"]
-        if which == "target"
-        else ["draft.init=pretrained", f"draft.model={folder}"]
-    )
-    cfg = make_cfg(tiny_config_overrides, data_template, *extra)
-    with pytest.raises(InputError, match=rf"{which}\.trust_remote_code: .*only if you trust this code"):
-        run(cfg)
-    assert not (cfg.run_dir / "config.yaml").exists()
+    match = rf"{which}\.trust_remote_code: .*only if you trust this code"
+    _run_with_broken_model(which, tiny_config_overrides, data_template, folder, match)
 
 
 def test_max_seq_len_that_cuts_every_response_is_named(tiny_config_overrides, data_template):
