@@ -344,7 +344,7 @@ def test_pickle_only_weights_are_refused_before_writing(
     src = tiny_target_dir if which == "target" else tiny_draft_dir
     folder = model_copy(src, tmp_path / "pickled", weights="pickled")
     _run_with_broken_model(
-        which, tiny_config_overrides, data_template, src, folder, rf"{which}\.model: .*pickled weights"
+        which, tiny_config_overrides, data_template, folder, rf"{which}\.model: .*pickled weights"
     )
 
 
