@@ -54,8 +54,10 @@ def write_report(
     with_base: bool = True,
     speedup: float | None = 1.0,
     min_acceptance: float | None = None,
+    eval_finished: bool = True,
 ) -> dict:
-    """A report of base and distilled at k = 2, 4; distilled's speedups are `speedup` + k / 10 (None: untimed)."""
+    """A report of base and distilled at k = 2, 4; distilled's speedups are `speedup` + k / 10 (None: untimed).
+    With `eval_finished`, also the completion record a finished `distill eval` leaves beside it."""
     results = [
         {
             "name": "no_spec",
@@ -95,6 +97,12 @@ def write_report(
         report["settings"] = {"min_acceptance": min_acceptance, "rejection_sample_method": "standard"}
     (run_dir / "eval").mkdir(parents=True, exist_ok=True)
     (run_dir / "eval" / "report.json").write_text(json.dumps(report))
+    record = rundir.completion_path(run_dir, "eval")
+    record.parent.mkdir(parents=True, exist_ok=True)
+    if eval_finished:
+        record.write_text(json.dumps({"stage": "eval", "summary": {}}))
+    else:
+        record.unlink(missing_ok=True)
     return report
 
 
@@ -266,6 +274,7 @@ def test_tag_version_and_existing_tag_refused(run_dir, overrides, tmp_path, caps
     [
         ("missing", "report.json not found"),
         ("incomplete", "is incomplete"),
+        ("interrupted", "did not finish ("),
         ("no_gain", "no acceptance gain"),
         ("greedy", "greedy_match failed"),
         ("no_base", "no results for the base draft"),
@@ -278,6 +287,8 @@ def test_gate_refuses_with_exit_2_and_writes_nothing(run_dir, overrides, tmp_pat
         (run_dir / "eval" / "report.json").unlink()
     elif case == "incomplete":
         write_report(run_dir, complete=False)
+    elif case == "interrupted":  # a later eval was killed before rewriting the earlier, complete report
+        write_report(run_dir, complete=True, eval_finished=False)
     elif case == "no_gain":
         write_report(run_dir, base_acc=0.6, ours_acc=0.6)
     elif case == "greedy":

@@ -1,6 +1,8 @@
 """The publish gate: a draft is released only when its measured eval says it is worth serving.
 
-Refused (exit 2 unless `publish.force`): no `eval/report.json`, a partial report (`"complete": false`), no
+Refused (exit 2 unless `publish.force`): no `eval/report.json`, a partial report (`"complete": false`), a
+report the latest `distill eval` did not finish rewriting (no `stages/eval.json`: eval removes it when it
+starts and writes it when it ends, so an interrupted eval leaves an older report behind without one), no
 acceptance gain over the base (undistilled) draft at matching (k, temperature) (when the two share no k, of
 the first drafted token at matching temperature), a failed `greedy_match`
 at temperature 0 in float32 (speculation must not change the target's greedy output), or a draft that is not
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distill.rundir import completion_path
 from distill.utils.fs import read_json
 
 REPORT = Path("eval") / "report.json"
@@ -237,6 +240,11 @@ def check(run_dir: Path) -> GateResult:
     if report.get("complete", True) is False:
         why = report.get("error") or report.get("incomplete_reason") or "partial results"
         result.problems.append(f"{run_dir / REPORT} is incomplete ({why}): rerun `distill eval`")
+    elif not completion_path(run_dir, "eval").is_file():
+        result.problems.append(
+            f"the latest `distill eval` on {run_dir} did not finish ({completion_path(run_dir, 'eval')} is "
+            f"missing), so {run_dir / REPORT} may describe an earlier eval: rerun `distill eval`"
+        )
     result.distilled = select_rows(report, "distilled", run_dir / "draft")
     result.base = select_rows(report, "base", run_dir / "draft_init")
     if not result.distilled:
