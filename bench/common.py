@@ -7,6 +7,7 @@ rerun. vLLM is never imported here (only `distill/vllm_worker/` may): its versio
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import os
 import platform
@@ -120,6 +121,30 @@ def bare_trainer(max_steps: int, *, precision: str = "32", callbacks: Sequence[A
         callbacks=list(callbacks),
         precision="32-true" if str(precision) == "32" else "bf16-mixed",
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Options
+
+
+def positive_int(text: str) -> int:
+    """argparse `type=` for counts (repeats, steps, threads): a bad value is argparse's exit 2 naming the
+    option, not a traceback (or an empty table) after minutes of work."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """argparse `type=` for comma lists of positive whole numbers (`--ks 1,2,4`), checked up front."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("an empty list: give comma-separated whole numbers, e.g. 1,2,4")
+    return [positive_int(t) for t in parts]
 
 
 # ---------------------------------------------------------------------------------------------------------
