@@ -12,19 +12,23 @@ Phases (the protocol of BENCHMARKS.md):
       3 timed repeats (medians), no_spec, ngram, base and distilled at k = 1, 2, 3.
   t1  temperature 1: acceptance of base vs distilled under greedy and probabilistic drafting, and ngram
       (32 prompts, one timed pass: acceptance counts do not need repeats).
-The draft comes from the config's run folder; when `draft/` is missing the data and train stages run first
-(with the same config and overrides). Each phase's report (report.json, report.md, plots) is copied to
-`bench/out/eval-<phase>/` and its table to `bench/out/eval-<phase>.{json,md}`.
+The drafts come from the config's run folder (`run.dir`, overrides included): when eval.drafts measures a draft
+there and the data or train stage is not complete for exactly this config, those stages run first. The eval
+itself writes to the bench's own run folder, `bench/out/work/eval-<phase>[-<tag>]/`, never to the training
+run's eval/ (whose report `distill publish` ships). Each phase's report (report.json, report.md, plots) is
+copied to `bench/out/eval-<phase>/` and its table to `bench/out/eval-<phase>.{json,md}`; a failed or incomplete
+eval says so there, with its exit code, instead of figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.common import (
     OUT_DIR,
@@ -36,6 +40,9 @@ from bench.common import (
     spread,
     write_fragment,
 )
+
+if TYPE_CHECKING:
+    from distill.config import Config
 
 COMMON = ["eval.max_tokens=128", "eval.max_num_seqs=1"]
 PHASES: dict[str, list[str]] = {
@@ -64,29 +71,65 @@ QUICK = [
 ]
 
 
+TRAIN_STAGES = ("data", "train")
+
+
+def reads_run_drafts(cfg: Config) -> bool:
+    """Whether eval.drafts measures a draft inside the run folder (the config's own `${run.dir}/draft`): that
+    one must be trained with this config. Drafts named by a path elsewhere are measured as they are."""
+    run_dir = cfg.run_dir.resolve()
+    return any(Path(d.model).expanduser().resolve().is_relative_to(run_dir) for d in cfg.eval.drafts)
+
+
+def stages_to_run(cfg: Config) -> list[str]:
+    """The data and train stages still to run: from the first one not complete for exactly this config (its
+    record's config hash differs, or its outputs are gone) on, since train reads what data writes."""
+    from distill import rundir
+
+    for i, stage in enumerate(TRAIN_STAGES):
+        if not rundir.is_complete(cfg, stage):
+            return list(TRAIN_STAGES[i:])
+    return []
+
+
 def ensure_trained(config: str, overrides: list[str]) -> int:
-    """Run the data and train stages when the run folder has no trained draft yet (0 when it has one)."""
+    """Run the data and train stages unless the run folder's draft was trained with exactly this config.
+
+    A draft/ that merely exists may come from other settings (`train.max_steps=900` without a new run.dir
+    would measure the 300-step draft under the 900 label). A stage whose folder holds another config's data
+    or checkpoints refuses (exit 2) and names the fix, rather than overwriting it."""
     from distill.cli import main as cli_main
     from distill.config import load_config
 
-    run_dir = load_config(config, overrides).run_dir
-    if (run_dir / "draft" / "config.json").is_file():
+    cfg = load_config(config, overrides)
+    if not reads_run_drafts(cfg):
         return 0
-    print(f"{run_dir}/draft missing: running the data and train stages first", flush=True)
-    for stage in ("data", "train"):
+    stages = stages_to_run(cfg)
+    if stages:
+        print(
+            f"{cfg.run_dir}: no draft trained with this config; running {', '.join(stages)} first", flush=True
+        )
+    for stage in stages:
         rc = cli_main([stage, "-c", config, *overrides])
         if rc:
             return rc
     return 0
 
 
+def pass_rates(r: dict[str, Any]) -> list[float]:
+    """Tokens/s of each timed pass, counted as the report's median is (`tokens_per_s` in
+    distill/evaluate/report.py: every pass with a wall time, one that produced no tokens included), so the
+    spread is over the same passes as the median it brackets."""
+    walls = r.get("wall_s") or []
+    per_pass = r.get("output_tokens_per_pass") or [r.get("output_tokens") or 0] * len(walls)
+    return [(n or 0) / w for n, w in zip(per_pass, walls, strict=False) if w and w > 0]
+
+
 def result_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per measured configuration: the figures of BENCHMARKS.md with the spread of the timed repeats."""
     rows = []
     for r in report["results"]:
-        walls = r.get("wall_s") or []
-        per_pass = r.get("output_tokens_per_pass") or [r.get("output_tokens") or 0] * len(walls)
-        tps = [n / w for n, w in zip(per_pass, walls, strict=False) if n and w]
+        tps = pass_rates(r)
         rows.append(
             {
                 "name": r["name"],
@@ -108,6 +151,12 @@ def result_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def first_line(text: str | None) -> str:
+    """A worker error carries its whole log tail: a table cell or a bullet holds its first line only."""
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     header = ["config", "k", "T", "draft sampling", "acceptance", "mean acc. length", "tok/s (median)",
               "min–max", "speedup"]  # fmt: skip
@@ -116,7 +165,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         sp = r["tokens_per_s_spread"]
         body.append(
             [
-                r["name"],
+                r["name"] + (" (error)" if r["error"] else ""),
                 str(r["k"]),
                 fmt(r["temperature"], 1),
                 r["draft_sample_method"] or "–",
@@ -130,6 +179,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(header, body)
 
 
+def error_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One bullet per failed configuration, so its row of dashes reads as a failure, not as missing data."""
+    return [f"- {r['name']} k={r['k']}: {first_line(r['error']) or 'failed'}" for r in rows if r["error"]]
+
+
 def display_path(path: Path) -> str:
     """Relative to the repository when inside it (as BENCHMARKS.md cites it), else absolute."""
     path = path.resolve()
@@ -141,54 +195,124 @@ def fragment_name(phase: str, tag: str = "") -> str:
     return f"eval-{phase}" + (f"-{tag}" if tag else "")
 
 
-def save_phase(
-    phase: str, run_dir: Path, argv: list[str], rc: int, wall_s: float, out_dir: Path, tag: str = ""
-) -> None:
-    import json
+def read_report(path: Path) -> dict[str, Any] | None:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 
-    src = run_dir / "eval"
-    report = json.loads((src / "report.json").read_text())
-    dest = out_dir / fragment_name(phase, tag)
-    if dest.exists():
-        shutil.rmtree(dest)
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.log", "partial.json"))
-    rows = result_rows(report)
+
+def phase_problem(rc: int, report: dict[str, Any] | None) -> str | None:
+    """Why a phase's figures are not a result; None when the eval exited 0 with every configuration measured."""
+    if report is None:
+        return (
+            f"FAILED: the eval exited {rc} before writing a report; no figures (its error is in the output)"
+        )
+    if report.get("complete") is not True:
+        why = first_line(report.get("error")) or "the run did not finish"
+        return f"INCOMPLETE (exit {rc}): {why}. The rows are partial figures, not a result"
+    if rc:
+        return f"FAILED (exit {rc}) after writing its report: the rows are not a result until the error is understood"
+    return None
+
+
+def phase_markdown(
+    phase: str, report: dict[str, Any] | None, rows: list[dict[str, Any]], problem: str | None, dest: Path
+) -> str:
+    if report is None:
+        return f"### vLLM speculative decoding, phase {phase}\n\n**{problem}.**"
     head = (
         f"### vLLM speculative decoding, phase {phase}: {report['prompts']['count']} prompts from "
         f"{report['prompts']['source']}, {report['max_tokens']} new tokens, batch 1, dtype {report['dtype']}\n\n"
     )
+    warning = f"**{problem}.**\n\n" if problem else ""
+    errors = error_lines(rows)
+    error_block = ("\n\n" + "\n".join(errors)) if errors else ""
     rec = report.get("recommendation") or {}
     tail = (
         f"\n\nRecommendation: {rec.get('reason', '—')}\n\nFull report: `{display_path(dest / 'report.md')}`."
     )
-    payload = {"phase": phase, "exit": rc, "wall_s": round(wall_s, 1), "complete": report["complete"],
-               "rows": rows, "recommendation": rec, "warnings": report.get("warnings", [])}  # fmt: skip
+    return head + warning + table(rows) + error_block + tail
+
+
+def save_phase(
+    phase: str, run_dir: Path, argv: list[str], rc: int, wall_s: float, out_dir: Path, tag: str = ""
+) -> str | None:
+    """Write the phase's fragment from `run_dir/eval` (a report this eval wrote, or none); returns
+    `phase_problem` (None when the figures are a result)."""
+    src = run_dir / "eval"
+    report = read_report(src / "report.json")
+    dest = out_dir / fragment_name(phase, tag)
+    if dest.exists():  # an earlier run's copy must not stand beside a failed run's fragment
+        shutil.rmtree(dest)
+    if report is not None:
+        shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.log", "partial.json"))
+    rows = result_rows(report) if report else []
+    problem = phase_problem(rc, report)
+    payload = {"phase": phase, "exit": rc, "wall_s": round(wall_s, 1), "complete": problem is None,
+               "problem": problem, "rows": rows, "recommendation": (report or {}).get("recommendation") or {},
+               "warnings": (report or {}).get("warnings", [])}  # fmt: skip
     write_fragment(
         fragment_name(phase, tag),
         payload,
-        head + table(rows) + tail,
+        phase_markdown(phase, report, rows, problem, dest),
         command=command_line("bench.bench_eval", argv),
         machine=machine_info(),
         out_dir=out_dir,
     )
+    return problem
+
+
+def work_dir(out_dir: Path, phase: str, tag: str = "") -> Path:
+    """The bench's own run folder for a phase's eval (`<out-dir>/work/eval-<phase>[-<tag>]`)."""
+    return out_dir / "work" / fragment_name(phase, tag)
+
+
+def eval_overrides(config: str, overrides: list[str], work: Path) -> list[str]:
+    """`overrides` with the eval written to `work` instead of the training run folder, whose eval/ report
+    `distill publish` ships. eval.drafts and eval.prompts are pinned to the paths they resolve to first, so a
+    `${run.dir}` in them still names the training run folder: the same drafts and prompts are measured."""
+    from distill.config import load_config
+
+    cfg = load_config(config, overrides)
+    drafts = [{"name": d.name, "model": d.model, "k": list(d.k)} for d in cfg.eval.drafts]
+    pinned = [f"eval.drafts={json.dumps(drafts)}", f"eval.prompts={json.dumps(cfg.eval.prompts)}"]
+    return [*overrides, *pinned, f"run.dir={work}"]
 
 
 def run_phase(
     phase: str, config: str, overrides: list[str], argv: list[str], out_dir: Path, tag: str = ""
 ) -> int:
     from distill.cli import main as cli_main
-    from distill.config import load_config
 
+    work = work_dir(out_dir, phase, tag)
+    args = eval_overrides(config, overrides, work)
+    # The folder is the bench's own: the last run's report goes first, so that a report found after this eval
+    # is one it wrote, and a failure cannot pass old figures off as its own.
+    shutil.rmtree(work / "eval", ignore_errors=True)
     t0 = time.perf_counter()
-    rc = cli_main(["eval", "-c", config, *overrides])
+    rc = cli_main(["eval", "-c", config, *args])
     wall = time.perf_counter() - t0
-    run_dir = load_config(config, overrides).run_dir
-    if not (run_dir / "eval" / "report.json").is_file():
-        print(f"phase {phase}: no report written (exit {rc})", file=sys.stderr)
-        return rc or 1
-    save_phase(phase, run_dir, argv, rc, wall, out_dir, tag)
+    problem = save_phase(phase, work, argv, rc, wall, out_dir, tag)
     print((out_dir / f"{fragment_name(phase, tag)}.md").read_text())
-    return rc
+    if problem:
+        print(f"phase {phase}: {problem}", file=sys.stderr)
+    return rc or (1 if problem else 0)
+
+
+def check_config(config: str, phases: dict[str, list[str]], overrides: list[str]) -> int:
+    """Exit 2 with the config's own message for a bad override, before any training or eval starts."""
+    from distill.config import load_config
+    from distill.errors import DistillError
+
+    try:
+        for phase_overrides in phases.values():
+            load_config(config, COMMON + phase_overrides + overrides)
+    except DistillError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,13 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    rc = ensure_trained(args.config, args.overrides)
-    if rc:
-        return rc
     if args.quick:
         phases = {"quick": QUICK}
     else:
         phases = PHASES if args.phase == "all" else {args.phase: PHASES[args.phase]}
+    rc = check_config(args.config, phases, args.overrides) or ensure_trained(args.config, args.overrides)
+    if rc:
+        return rc
     worst = 0
     for name, phase_overrides in phases.items():
         overrides = COMMON + phase_overrides + args.overrides
