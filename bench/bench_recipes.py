@@ -11,12 +11,16 @@ All recipes share one data run (the config's data section with --train-prompts p
 from vLLM's generation), created under `bench/out/work/recipes/data` when missing, and train with
 `distill train` for the same number of steps on the cached teacher. Each recipe's figures come from its run's
 `train/val_history.json` (the last validation): top-1 agreement with the target and the greedy mean acceptance
-length E[k] the draft would reach per k, plus the wall time of the stage. Written to `bench/out/recipes.{json,md}`.
+length E[k] the draft would reach per k, plus the wall time of the stage. Every recipe trains from step 0
+(`train.resume=never`); a failed training (exit not 0) shows its exit code and no figures. Written to
+`bench/out/recipes.{json,md}` (`recipes-<data run>.*` with --data-run, `recipes-quick*` with --quick), merged with
+the saved rows of other recipes of the same study: same config file (path and contents), steps and data.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -25,7 +29,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import OUT_DIR, REPO, command_line, fmt, machine_info, markdown_table, write_fragment
+from bench.common import (
+    OUT_DIR,
+    REPO,
+    command_line,
+    fmt,
+    machine_info,
+    machine_line,
+    markdown_table,
+    positive_int,
+    write_fragment,
+)
 
 # Every recipe names its drafting mode (draft.parallel_tokens=0 unless it overrides it), so the recipes keep
 # their meaning whichever mode the shipped config uses.
@@ -36,6 +50,8 @@ SHARED = [
     "train.val_every=100",
     "draft.parallel_tokens=0",
 ]
+# Every recipe trains from step 0 in its invocation (an earlier training in its folder is deleted first).
+FRESH_START = "train.resume=never"
 # The 2-layer parallel draft proposing 4 tokens per pass, as shipped at lr 1e-3; configs/smollm2-sharegpt.yaml
 # now trains it at lr 4e-3 (the pard4-lr4e-3 recipe).
 PARD4 = [
@@ -168,6 +184,15 @@ def last_validation(run_dir: Path) -> dict[str, Any] | None:
     return history[-1] if history else None
 
 
+def train_finished(run_dir: Path) -> str | None:
+    """When the train stage last completed in `run_dir` (its completion record), or None. A row keeps it, so
+    that a later training of the same folder (another study's invocation) is not read as the row's figures."""
+    try:
+        return json.loads((run_dir / "stages" / "train.json").read_text()).get("finished")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def first_token_top1(validation: dict[str, Any]) -> float | None:
     """Top-1 agreement of the next-token proposal: for a parallel draft that of its first drafted token (its
     overall figure averages in the mask positions), for an autoregressive draft the overall one."""
@@ -184,7 +209,9 @@ def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -
         train_dir = work / f"data-{name}"
         ensure_variant_data(data_dir, train_dir, DATA_VARIANTS[name])
     link_data(run_dir, data_dir, train_dir)
-    overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", *SHARED, *RECIPES[name]]
+    # FRESH_START: the folder persists between invocations, and resuming its finished checkpoint would train
+    # 0 steps and report the earlier training's validation with this invocation's wall time.
+    overrides = [f"run.dir={run_dir}", f"train.max_steps={steps}", FRESH_START, *SHARED, *RECIPES[name]]
     t0 = time.perf_counter()
     with open(work / f"{name}.log", "w") as log:
         rc = subprocess.run(
@@ -199,15 +226,23 @@ def run_recipe(name: str, config: str, data_dir: Path, work: Path, steps: int) -
         "exit": rc,
         "wall_s": round(wall, 1),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "train_finished": train_finished(run_dir) if rc == 0 else None,
     }
+
+
+NO_FIGURES: dict[str, Any] = {"step": None, "top1_agreement": None, "accept_len": None, "top1_by_step": {}}
+RETRAINED = "its run folder was trained again since: figures withheld"
 
 
 def with_validation(row: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """`row` with the figures of its run folder's validations (saved rows are re-read this way, so the table
-    always shows what the run folders hold)."""
-    history = validations(run_dir)
+    always shows what the run folders hold). A failed training shows none: its folder may still hold an
+    earlier training's history. Neither does a folder trained again after the row was recorded."""
+    retrained = row.get("exit") == 0 and train_finished(run_dir) != row.get("train_finished")
+    history = validations(run_dir) if row.get("exit") == 0 and not retrained else []
+    row = {**row, "withheld": RETRAINED if retrained else None}
     if not history:
-        return {"step": None, "top1_agreement": None, "accept_len": None, "top1_by_step": {}, **row}
+        return {**row, **NO_FIGURES}
     val = history[-1]
     return {
         **row,
@@ -218,16 +253,22 @@ def with_validation(row: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     }
 
 
+def read_saved(saved_path: Path) -> dict[str, Any] | None:
+    return json.loads(saved_path.read_text()) if saved_path.is_file() else None
+
+
+def same_study(saved: dict[str, Any] | None, study: dict[str, Any]) -> bool:
+    return saved is not None and all(saved.get(key) == value for key, value in study.items())
+
+
 def merge_with_saved(
     saved_path: Path, rows: list[dict[str, Any]], study: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """This invocation's rows plus the saved rows of recipes it did not run, when the saved table is the same
-    study (same steps, same data): recipes run one invocation at a time still make one table, and a rerun
-    recipe replaces its row. Ordered as in RECIPES."""
-    if not saved_path.is_file():
-        return rows
-    saved = json.loads(saved_path.read_text())
-    if any(saved.get(key) != value for key, value in study.items()):
+    study (same config file and contents, steps, data): recipes run one invocation at a time still make one
+    table, and a rerun recipe replaces its row. Ordered as in RECIPES."""
+    saved = read_saved(saved_path)
+    if saved is None or not same_study(saved, study):
         return rows
     fresh = {r["recipe"] for r in rows}
     merged = [r for r in saved.get("rows", []) if r.get("recipe") not in fresh] + rows
@@ -241,52 +282,127 @@ def overrides_cell(row: dict[str, Any]) -> str:
     return cell + ("; training responses: " + " ".join(f"`{o}`" for o in data) if data else "")
 
 
-def markdown(rows: list[dict[str, Any]], steps: int, data_run: Path | None = None) -> str:
+def exit_cell(row: dict[str, Any]) -> str:
+    code = row.get("exit")
+    cell = "—" if code is None else str(code)
+    return cell + (f" ({row['withheld']})" if row.get("withheld") else "")
+
+
+def wall_cell(row: dict[str, Any]) -> str:
+    """Minutes of a training that ran from step 0 to the end (every successful one, FRESH_START); a failed
+    run's time measures nothing."""
+    trained = row.get("exit") == 0 and not row.get("withheld") and row.get("wall_s") is not None
+    return fmt(row["wall_s"] / 60, 1) if trained else "—"
+
+
+def table_row(r: dict[str, Any], ks: list[str]) -> list[str]:
+    al = r["accept_len"] or {}
+    return [
+        r["recipe"],
+        overrides_cell(r),
+        exit_cell(r),
+        str(r["step"] or "—"),
+        " → ".join(f"{fmt(v)} @{k}" for k, v in (r.get("top1_by_step") or {}).items()) or "—",
+        *[fmt(al.get(k), 2) for k in ks],
+        wall_cell(r),
+        (r.get("finished_utc") or "—").replace("T", " ")[:16],
+    ]
+
+
+def invocations(rows: list[dict[str, Any]]) -> str:
+    """Which command, machine and commit produced each row: a table may merge several invocations."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        machine = r.get("machine")
+        key = (
+            r.get("command") or "(not recorded)",
+            machine_line(machine) if machine else "(not recorded)",
+        )
+        groups.setdefault(key, []).append(r["recipe"])
+    lines = [f"- {', '.join(names)}: `{command}`; {machine}" for (command, machine), names in groups.items()]
+    return "Rows by invocation (command; machine, git commit, start):\n\n" + "\n".join(lines)
+
+
+def markdown(
+    rows: list[dict[str, Any]], steps: int, data_run: Path | None = None, config: str | None = None
+) -> str:
+    """`config`: how the note names the config file (its path and hash)."""
     ks = ["1", "2", "3", "4"]
     header = [
         "recipe",
         "overrides",
+        "exit",
         "steps",
         "top-1 agreement by step",
         *[f"E[k={k}]" for k in ks],
         "train wall (min)",
         "finished (UTC)",
     ]
-    body = []
-    for r in rows:
-        al = r["accept_len"] or {}
-        body.append(
-            [
-                r["recipe"],
-                overrides_cell(r),
-                str(r["step"] or "—"),
-                " → ".join(f"{fmt(v)} @{k}" for k, v in (r.get("top1_by_step") or {}).items()) or "—",
-                *[fmt(al.get(k), 2) for k in ks],
-                fmt(r["wall_s"] / 60, 1),
-                (r.get("finished_utc") or "—").replace("T", " ")[:16],
-            ]
-        )
+    body = [table_row(r, ks) for r in rows]
     note = (
-        f"\n\nEvery recipe: {steps} steps of `distill train` with {' '.join(f'`{o}`' for o in SHARED)} on "
+        f"\n\nEvery recipe: {steps} steps from step 0 (`{FRESH_START}`) of `distill train`"
+        + (f" with the config {config}" if config else "")
+        + f" and {' '.join(f'`{o}`' for o in SHARED)} on "
         + ("one shared data run" if data_run is None else f"the data of the run `{data_run}`")
         + ", unless its own overrides (applied after these) say otherwise; a recipe with training-response "
-        "overrides trains on a data run of its own and validates on the shared one's rows "
-        "(recipes may come from several invocations: see each row's finish time). "
+        "overrides trains on a data run of its own and validates on the shared one's rows. "
+        "A row whose training failed (exit not 0) shows no figures. "
         "E[k] = greedy mean acceptance length with k drafted tokens on the validation rows "
         "(1 + expected accepted tokens per round)."
     )
-    return "### Training recipes\n\n" + markdown_table(header, body) + note
+    return "### Training recipes\n\n" + markdown_table(header, body) + note + "\n\n" + invocations(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def config_file(config: str) -> Path:
+    """The config file as `distill` (run from the repository root) reads it."""
+    return (REPO / config).resolve()
+
+
+def study_of(args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
+    """What a saved row must share with this invocation to be merged into its table."""
+    path = config_file(args.config)
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    study: dict[str, Any] = {
+        "steps": args.steps,
+        "config": str(shown),
+        "config_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
+    if args.data_run is not None:
+        return {**study, "data_run": str(data_dir)}
+    return {**study, "train_prompts": args.train_prompts}
+
+
+def describe(study: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{k}={str(v)[:12] if k == 'config_sha256' else v}" for k, v in study.items() if k != "rows"
+    )
+
+
+def table_only_problem(saved_path: Path, study: dict[str, Any]) -> str | None:
+    """Why --table-only has no rows to render (None when it has)."""
+    saved = read_saved(saved_path)
+    if saved is None:
+        return f"--table-only: no saved table {saved_path}; train recipes first (without --table-only)"
+    if same_study(saved, study) and saved.get("rows"):
+        return None
+    unkeyed = (
+        " (saved before tables recorded their config: retrain its recipes)" if "config" not in saved else ""
+    )
+    return (
+        f"--table-only: {saved_path} holds no rows of this study ({describe(study)}); it holds "
+        f"{describe({k: saved.get(k) for k in study})}{unkeyed}. Give the -c/--config, --steps and "
+        "--train-prompts or --data-run (and --quick) of the invocation that trained them."
+    )
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-c", "--config", default="configs/smollm2-sharegpt.yaml")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma list (default: all)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=positive_int, default=300)
     p.add_argument(
         "--train-prompts",
-        type=int,
+        type=positive_int,
         default=5035,
         help="usable train prompts (5035: the first 6000 read before)",
     )
@@ -302,8 +418,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train nothing: rewrite the saved table from its rows and their run folders",
     )
-    p.add_argument("--quick", action="store_true", help="a self-check: one recipe, 64 prompts, 20 steps")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a self-check: one recipe, 64 prompts, 20 steps (its own work folder and recipes-quick.* files)",
+    )
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
     args = p.parse_args(argv)
     if args.list:
         for name, overrides in RECIPES.items():
@@ -315,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(RECIPES))
     if unknown:
         p.error(f"unknown recipe {unknown}; choose from {', '.join(RECIPES)}")
+    if not config_file(args.config).is_file():
+        p.error(f"-c/--config {args.config}: no such file")
+    # Quick mode has its own work folder and table: its 20-step rows must not replace the study's.
     work = args.out_dir / "work" / ("recipes-quick" if args.quick else "recipes")
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     if args.data_run is not None:
@@ -322,31 +451,36 @@ def main(argv: list[str] | None = None) -> int:
         if not (data_dir / "data" / "manifest.json").is_file():
             p.error(f"--data-run {args.data_run}: no finished data stage there (data/manifest.json)")
         work = work.with_name(f"{work.name}-{data_dir.name}")
-        study = {"steps": args.steps, "data_run": str(data_dir)}
     else:
         data_dir = work / "data"
-        if not args.table_only:
+    study = study_of(args, data_dir)
+    saved_path = args.out_dir / f"{work.name}.json"
+    if args.table_only and (problem := table_only_problem(saved_path, study)):
+        p.error(problem)
+    rows = []
+    if not args.table_only:
+        if args.data_run is None:
             ensure_data(args.config, data_dir, args.train_prompts)
-        study = {"steps": args.steps, "train_prompts": args.train_prompts}
-    try:
-        rows = (
-            [] if args.table_only else [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
-        )
-    except RecipeDataError as err:
-        p.error(str(err))
-    out_name = "recipes" if args.data_run is None else f"recipes-{data_dir.name}"
-    rows = merge_with_saved(args.out_dir / f"{out_name}.json", rows, study)
+        try:
+            rows = [run_recipe(n, args.config, data_dir, work, args.steps) for n in names]
+        except RecipeDataError as err:
+            p.error(str(err))
+    # Each row keeps the invocation that trained it: a table merges rows of several.
+    command, machine = command_line("bench.bench_recipes", argv), machine_info()
+    rows = [{**r, "command": command, "machine": machine} for r in rows]
+    rows = merge_with_saved(saved_path, rows, study)
     rows = [with_validation(r, work / r["recipe"]) for r in rows]
+    config = f"`{study['config']}` (sha256 {study['config_sha256'][:12]})"
     write_fragment(
-        out_name,
+        work.name,
         {**study, "rows": rows},
-        markdown(rows, args.steps, args.data_run),
-        command=command_line("bench.bench_recipes", argv),
-        machine=machine_info(),
+        markdown(rows, args.steps, args.data_run, config),
+        command=command,
+        machine=machine,
         out_dir=args.out_dir,
     )
-    print((args.out_dir / f"{out_name}.md").read_text())
-    return 0 if all(r["exit"] == 0 for r in rows) else 1
+    print((args.out_dir / f"{work.name}.md").read_text())
+    return 0 if all(r.get("exit") == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 Benches run sequentially, never in parallel (the machine is noisy: parallel runs would time each other), each
 as its own subprocess so one crash cannot take the others down; a failure is recorded and the run continues.
 Each bench's output goes to `bench/out/logs/<bench>.log`; its figures to `bench/out/<stem>.json|md`.
-Exit status: 0 when every bench exited 0, else 1.
+Exit status: 0 when every bench exited 0, else 1; 2 for a bad option (an unknown --only bench), before any runs.
+A failed bench's fragments appear in the summary under a FAILED warning; stale ones (earlier runs') never do.
 """
 
 from __future__ import annotations
@@ -87,16 +88,34 @@ def available(names: Sequence[str] = BENCHES, bench_dir: Path = REPO / "bench") 
     return [n for n in names if (bench_dir / f"{n}.py").is_file()]
 
 
+def wanted_benches(only: Sequence[str]) -> set[str]:
+    """Bench module names of --only values (comma lists, with or without the bench_ prefix)."""
+    return {w if w.startswith("bench_") else f"bench_{w}" for item in only for w in item.split(",") if w}
+
+
+def unknown_benches_message(only: Sequence[str]) -> str | None:
+    unknown = sorted(wanted_benches(only) - set(BENCHES))
+    if not unknown:
+        return None
+    return f"unknown bench {unknown}; choose from {', '.join(stem(b) for b in BENCHES)}"
+
+
+def only_option(text: str) -> str:
+    """argparse `type=` of --only: an unknown bench is argparse's exit 2 before anything runs."""
+    problem = unknown_benches_message([text])
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def select(only: Sequence[str], present: Sequence[str]) -> list[str]:
     """The benches named by --only (with or without the bench_ prefix), in the standard order."""
     if not only:
         return list(present)
-    wanted = {w if w.startswith("bench_") else f"bench_{w}" for item in only for w in item.split(",") if w}
-    unknown = sorted(wanted - set(BENCHES))
-    if unknown:
-        raise SystemExit(
-            f"--only: unknown bench {unknown}; choose from {', '.join(stem(b) for b in BENCHES)}"
-        )
+    problem = unknown_benches_message(only)
+    if problem:
+        raise SystemExit(f"--only: {problem}")
+    wanted = wanted_benches(only)
     return [n for n in present if n in wanted]
 
 
@@ -193,21 +212,38 @@ def render_summary(
     for r in results:
         lines += [
             "",
-            f"## {stem(r['name'])}",
+            f"## {stem(r['name'])}" + ("" if r["rc"] == 0 else f" — FAILED (exit {r['rc']})"),
             "",
             f"Command: `{r['command']}` — exit {r['rc']}, {r['wall_s']} s.",
             "",
         ]
-        frags = r["fragments"]
-        if not frags:
-            lines.append(f"No figure files written; see the log {_rel(r['log'], out_dir)}.")
-        for f in frags:
-            state = "written by this run" if f["fresh"] else "STALE: from an earlier run"
-            lines.append(f"- {_rel(f['path'], out_dir)} ({state})")
-        md = next((f for f in frags if f["path"].suffix == ".md" and f["fresh"]), None)
-        if md is not None:
-            lines += ["", md["path"].read_text(encoding="utf-8").rstrip()]
+        lines += fragment_lines(r, out_dir)
     return "\n".join(lines) + "\n"
+
+
+def fragment_lines(result: dict[str, Any], out_dir: Path) -> list[str]:
+    """One bench run's files, then every markdown fragment it wrote (a bench may write one per phase or
+    variant). Stale ones are listed, never shown; a failed run's are shown under a warning, since what a bench
+    wrote before failing may be partial."""
+    frags = result["fragments"]
+    lines = [] if frags else [f"No figure files written; see the log {_rel(result['log'], out_dir)}."]
+    for f in frags:
+        state = "written by this run" if f["fresh"] else "STALE: from an earlier run"
+        lines.append(f"- {_rel(f['path'], out_dir)} ({state})")
+    for f in frags:
+        if f["path"].suffix != ".md" or not f["fresh"]:
+            continue
+        if result["rc"] != 0:
+            lines += ["", failed_warning(result, f["path"], out_dir)]
+        lines += ["", f["path"].read_text(encoding="utf-8").rstrip()]
+    return lines
+
+
+def failed_warning(result: dict[str, Any], path: Path, out_dir: Path) -> str:
+    return (
+        f"> **FAILED (exit {result['rc']})**: {_rel(path, out_dir)} below was written by a run that failed; "
+        f"its figures may be partial or wrong, not results (log: {_rel(result['log'], out_dir)})."
+    )
 
 
 def _rel(path: str | Path, base: Path) -> str:
@@ -222,7 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from distill.utils.fs import atomic_write_text
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", action="append", default=[], help="bench name (data, train, eval, drafts)")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        type=only_option,
+        help="bench name (data, train, eval, drafts)",
+    )
     p.add_argument(
         "--quick", action="store_true", help="each bench's quick self-check instead of the full run"
     )
