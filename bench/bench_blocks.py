@@ -37,6 +37,8 @@ from bench.common import (
     fmt,
     markdown_table,
     median,
+    non_negative_int,
+    positive_int,
     spread,
     utc_now,
 )
@@ -125,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--draft", default="parallel-k4", choices=sorted(DRAFTS))
     p.add_argument("--block-rows", default="0,512,1024,2048", help="comma list; the first is the reference")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--trim-every", type=int, default=0, help="0 = distill train's TRIM_EVERY_STEPS")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--steps", type=positive_int, default=40)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--repeats", type=positive_int, default=2)
+    p.add_argument(
+        "--trim-every", type=non_negative_int, default=0, help="0 = distill train's TRIM_EVERY_STEPS"
+    )
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true", help="2 timed steps, 1 repeat")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)

@@ -1,14 +1,17 @@
 """Data-stage benchmark on the embedded default (SmolLM2-135M-Instruct target, ShareGPT prompts).
 
 1. Generation speed: the same prompts through `distill data` with `data.engine=vllm` and `data.engine=hf`
-   (greedy, float32); tokens/s of each (from the manifests) and the ratio vLLM / hf.
+   (greedy, float32), `--repeats` passes of each, the engines alternating (hf, vllm, then vllm, hf, ...) and
+   every pass in a fresh run folder; tokens/s of each (from the manifests: median, min–max) and the ratio
+   vLLM / hf taken per repeat.
 2. Teacher cache size: bytes per cached token at k = 16, 64, 128 for each codec, next to the naive layout
    (uint16 ids + fp16 log-probs + fp32 rest = 4k + 4 bytes) and DistillKit's ~300 B/token at k=128.
 
-    .venv/bin/python -m bench.bench_data --prompts 64 --out bench/results/data.json
-    .venv/bin/python -m bench.bench_data --skip-vllm --prompts 16 --max-new-tokens 64   # quick
+    .venv/bin/python -m bench.bench_data --prompts 64                  # bench/out/data.{json,md}
+    .venv/bin/python -m bench.bench_data --skip-vllm --prompts 16 --max-new-tokens 64 --repeats 1   # quick
 
-Slow: vLLM start-up alone is 1-2 minutes on a busy 2-core CPU. Every figure printed is measured here.
+Slow: vLLM start-up alone is 1-2 minutes on a busy 2-core CPU, and each of the --repeats (default 3) passes
+starts it again. Every figure printed is measured here.
 """
 
 from __future__ import annotations
@@ -20,10 +23,50 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
+
+from bench.common import (
+    OUT_DIR,
+    command_line,
+    fmt,
+    int_list,
+    machine_info,
+    markdown_table,
+    median,
+    positive_int,
+    spread,
+    write_fragment,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "smollm2-sharegpt.yaml")
+DTYPES = ("float32", "bfloat16", "float16")
+DISTILLKIT_BYTES_PER_TOKEN_K128 = 300
+
+
+class StageFailed(Exception):
+    """`distill data` exited non-zero: the bench exits with the same status (2 = an input error)."""
+
+    def __init__(self, engine: str, rc: int) -> None:
+        super().__init__(f"distill data with engine={engine} failed (exit {rc})")
+        self.rc = rc
+
+
+def codecs() -> tuple[str, ...]:
+    """The cache codecs `data.logits.codec` accepts (the config schema is the one list)."""
+    from distill.data.config import LogitsConfig
+
+    return get_args(get_type_hints(LogitsConfig)["codec"])
+
+
+def codec_list(text: str) -> list[str]:
+    """argparse `type=` for `--codecs zlib,lzma`: unknown names are an input error up front."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    known = codecs()
+    bad = [n for n in names if n not in known]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {', '.join(known)}")
+    return names
 
 
 def run_stage(
@@ -47,7 +90,7 @@ def run_stage(
     rc = main(["data", "-c", CONFIG, *overrides])
     wall = time.perf_counter() - t0
     if rc != 0:
-        raise SystemExit(f"distill data with engine={engine} failed (exit {rc})")
+        raise StageFailed(engine, rc)
     manifest = json.loads((run_dir / "data" / "manifest.json").read_text())
     tr = manifest["splits"]["train"]
     return {
@@ -58,38 +101,84 @@ def run_stage(
         "generation_s": manifest["generation_s"],
         "tokens_per_s": manifest["generation_tokens_per_s"],
         "wall_s_including_startup": round(wall, 2),
+        "startup_s": round(wall - manifest["generation_s"], 1),
     }
 
 
-def eager_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM generation eager vs compiled (`data.vllm_enforce_eager`), alternated `--repeats` times, fresh run
-    folders each time so every pass generates all prompts; medians and min-max of tokens/s and start-up."""
-    import statistics
-
-    passes: dict[str, list[dict[str, Any]]] = {"eager": [], "compiled": []}
+def run_passes(
+    work: Path, args: argparse.Namespace, modes: dict[str, tuple[str, tuple[str, ...]]]
+) -> dict[str, list[dict[str, Any]]]:
+    """`args.repeats` passes of each mode (name -> (engine, overrides)), each in a fresh run folder
+    `work/<name>-<repeat>`; the order reverses every repeat (A B, B A, ...) so a drifting machine favours
+    neither side."""
+    passes: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
+    names = list(modes)
     for r in range(args.repeats):
-        for mode, flag in (("eager", "true"), ("compiled", "false")):
-            res = run_stage(work / f"{mode}-{r}", "vllm", args, (f"data.vllm_enforce_eager={flag}",))
-            res["startup_s"] = round(res["wall_s_including_startup"] - res["generation_s"], 1)
-            passes[mode].append(res)
+        for name in names if r % 2 == 0 else names[::-1]:
+            engine, extra = modes[name]
+            res = run_stage(work / f"{name}-{r}", engine, args, extra)
+            passes[name].append(res)
             print(
-                f"{mode} pass {r}: {res['tokens_per_s']} tokens/s, start-up {res['startup_s']} s", flush=True
+                f"{name} pass {r}: {res['tokens_per_s']} tokens/s, start-up {res['startup_s']} s", flush=True
             )
+    return passes
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and min–max of one mode's passes."""
+    tps = spread([float(x["tokens_per_s"]) for x in rows])
+    return {
+        "tokens_per_s_median": round(tps["median"], 1),
+        "tokens_per_s_min": round(tps["min"], 1),
+        "tokens_per_s_max": round(tps["max"], 1),
+        "n": tps["n"],
+        "response_tokens": [int(x["response_tokens"]) for x in rows],
+        "generation_s_median": round(median([float(x["generation_s"]) for x in rows]), 1),
+        "startup_s_median": round(median([float(x["startup_s"]) for x in rows]), 1),
+        "wall_s_median": round(median([float(x["wall_s_including_startup"]) for x in rows]), 1),
+    }
+
+
+def ratio_per_repeat(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> dict[str, Any]:
+    """tokens/s of `num` over `den`, repeat by repeat (the two passes of a repeat ran back to back)."""
+    ratios = [float(a["tokens_per_s"]) / float(b["tokens_per_s"]) for a, b in zip(num, den, strict=True)]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in spread(ratios).items()}
+
+
+def eager_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM generation eager vs compiled (`data.vllm_enforce_eager`), `--repeats` passes each (run_passes);
+    medians and min-max of tokens/s and start-up, the ratio compiled / eager per repeat."""
+    passes = run_passes(
+        work,
+        args,
+        {
+            "eager": ("vllm", ("data.vllm_enforce_eager=true",)),
+            "compiled": ("vllm", ("data.vllm_enforce_eager=false",)),
+        },
+    )
     summary: dict[str, Any] = {"passes": passes}
     for mode, rows in passes.items():
-        tps = [float(x["tokens_per_s"]) for x in rows]
-        summary[mode] = {
-            "tokens_per_s_median": round(statistics.median(tps), 1),
-            "tokens_per_s_min": round(min(tps), 1),
-            "tokens_per_s_max": round(max(tps), 1),
-            "startup_s_median": round(statistics.median(float(x["startup_s"]) for x in rows), 1),
-            "wall_s_median": round(statistics.median(float(x["wall_s_including_startup"]) for x in rows), 1),
-        }
-    summary["compiled_over_eager"] = round(
-        summary["compiled"]["tokens_per_s_median"] / summary["eager"]["tokens_per_s_median"], 3
-    )
+        summary[mode] = summarize(rows)
+    ratio = ratio_per_repeat(passes["compiled"], passes["eager"])
+    summary["compiled_over_eager"] = ratio["median"]
+    summary["compiled_over_eager_per_repeat"] = ratio
     summary["identical_responses"] = round(agreement(work / "compiled-0", work / "eager-0"), 3)
     return summary
+
+
+def engine_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """hf (and, unless --skip-vllm, vLLM) generation, `--repeats` alternating passes (run_passes)."""
+    modes: dict[str, tuple[str, tuple[str, ...]]] = {"hf": ("hf", ())}
+    if not args.skip_vllm:
+        modes["vllm"] = ("vllm", ())
+    passes = run_passes(work, args, modes)
+    out: dict[str, Any] = {"passes": passes, **{name: summarize(rows) for name, rows in passes.items()}}
+    if "vllm" in passes:
+        ratio = ratio_per_repeat(passes["vllm"], passes["hf"])
+        out["vllm_over_hf"] = ratio["median"]
+        out["vllm_over_hf_per_repeat"] = ratio
+        out["greedy_agreement"] = round(agreement(work / "vllm-0", work / "hf-0"), 3)
+    return out
 
 
 def agreement(a: Path, b: Path) -> float:
@@ -149,63 +238,176 @@ def cache_sizes(run_dir: Path, ks: list[int], codecs: list[str], max_rows: int) 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+# ---------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _speed_rows(results: dict[str, Any], names: list[str]) -> list[list[str]]:
+    rows = []
+    for name in names:
+        s = results[name]
+        rows.append(
+            [
+                name,
+                ", ".join(str(t) for t in dict.fromkeys(s["response_tokens"])),
+                f"{fmt(s['tokens_per_s_median'], 1)} ({fmt(s['tokens_per_s_min'], 1)}–"
+                f"{fmt(s['tokens_per_s_max'], 1)}, n={s['n']})",
+                fmt(s["generation_s_median"], 1),
+                fmt(s["startup_s_median"], 1),
+            ]
+        )
+    return rows
+
+
+SPEED_HEADER = [
+    "engine",
+    "tokens",
+    "tokens/s (median, min–max)",
+    "generation s (median)",
+    "start-up s (median)",
+]
+
+
+def _ratio_line(label: str, ratio: dict[str, Any]) -> str:
+    return (
+        f"{label} tokens/s, per repeat: **{ratio['median']:.2f}x** ({ratio['min']:.2f}–{ratio['max']:.2f}, "
+        f"n={ratio['n']})"
+    )
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    setup = (
+        f"{results['prompts']} train prompts (at most), {results['max_new_tokens']} new tokens, greedy, "
+        f"{results['dtype']}, batch {results['batch_size']}; {results['repeats']} pass(es) per mode, the modes "
+        "alternating in order, each pass a fresh run folder and engine."
+    )
+    if "eager_study" in results:
+        e = results["eager_study"]
+        return "\n\n".join(
+            [
+                "### Data stage: vLLM generation eager vs compiled (`data.vllm_enforce_eager`)",
+                markdown_table(SPEED_HEADER, _speed_rows(e, ["eager", "compiled"])),
+                _ratio_line("compiled / eager", e["compiled_over_eager_per_repeat"])
+                + f"; identical greedy responses (repeat 0): {e['identical_responses']:.0%}.",
+                setup,
+            ]
+        )
+    g = results["generation"]
+    parts = [
+        "### Data stage: generation speed and teacher-cache size",
+        markdown_table(SPEED_HEADER, _speed_rows(g, [n for n in ("hf", "vllm") if n in g])),
+    ]
+    if "vllm_over_hf_per_repeat" in g:
+        parts.append(
+            _ratio_line("vLLM / hf", g["vllm_over_hf_per_repeat"])
+            + f"; identical greedy responses (repeat 0): {g['greedy_agreement']:.0%}."
+        )
+    parts.append(setup)
+    cache = results.get("cache") or []
+    if cache:
+        names = list(dict.fromkeys(c["codec"] for c in cache))
+        by_k: dict[int, dict[str, Any]] = {}
+        for c in cache:
+            row = by_k.setdefault(c["k"], {"naive": c["naive_bytes_per_token"]})
+            row[c["codec"]] = c
+        rows = [
+            [str(k), *(fmt(v[n]["bytes_per_token"], 1) for n in names), str(v["naive"])]
+            for k, v in by_k.items()
+        ]
+        parts += [
+            f"Top-k teacher cache, {cache[0]['tokens']} response tokens (naive = uint16 ids + fp16 log-probs "
+            f"+ fp32 rest mass; DistillKit: ~{DISTILLKIT_BYTES_PER_TOKEN_K128} B/token at k=128):",
+            markdown_table(["k", *(f"{n} B/token" for n in names), "naive B/token"], rows),
+        ]
+    return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=52, help="train prompts that fit (the 52 of the first 64)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--ks", default="16,64,128")
-    p.add_argument("--codecs", default="zlib,lzma")
-    p.add_argument("--cache-rows", type=int, default=32, help="sequences used for the cache-size measurement")
+    p.add_argument(
+        "--prompts", type=positive_int, default=52, help="train prompts that fit (the 52 of the first 64)"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--ks", type=int_list, default=[16, 64, 128], help="cache sizes, e.g. 16,64,128")
+    p.add_argument("--codecs", type=codec_list, default=["zlib", "lzma"], help="e.g. zlib,lzma")
+    p.add_argument(
+        "--cache-rows", type=positive_int, default=32, help="sequences used for the cache-size measurement"
+    )
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument(
         "--eager-study",
         action="store_true",
         help="only compare vLLM generation eager vs compiled (data.vllm_enforce_eager), --repeats times each",
     )
-    p.add_argument("--repeats", type=int, default=2, help="passes per mode in --eager-study")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--workdir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="passes per engine (or per mode in --eager-study), alternating; medians and per-repeat ratios",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON (its .md beside it); default bench/out/data.json (data-eager-study.json)",
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep run folders here, a new or empty one (default: a temp dir)",
+    )
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = OUT_DIR / ("data-eager-study.json" if args.eager_study else "data.json")
+    if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
+        # A finished build there makes `distill data` report "already complete" and the bench would report
+        # that old manifest's tokens/s as new.
+        p.error(f"--workdir: {args.workdir} is not empty; give a new or empty folder")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    machine = machine_info()
+    results: dict[str, Any] = {
+        "config": CONFIG,
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+    }
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = args.workdir or Path(tmp)
-        results: dict[str, Any] = {
-            "config": CONFIG,
-            "prompts": args.prompts,
-            "max_new_tokens": args.max_new_tokens,
-            "dtype": args.dtype,
-            "host_cpus": os.cpu_count(),
-        }
-        if args.eager_study:
-            results["eager_study"] = eager_study(work, args)
-            return write_results(results, args.out)
-        hf = run_stage(work / "hf", "hf", args)
-        results["hf"] = hf
-        print(f"hf:   {hf['tokens_per_s']} tokens/s ({hf['response_tokens']} tokens)", flush=True)
-        if not args.skip_vllm:
-            vl = run_stage(work / "vllm", "vllm", args)
-            results["vllm"] = vl
-            results["vllm_over_hf"] = round(vl["tokens_per_s"] / hf["tokens_per_s"], 2)
-            results["greedy_agreement"] = round(agreement(work / "vllm", work / "hf"), 3)
-            print(
-                f"vllm: {vl['tokens_per_s']} tokens/s -> ratio {results['vllm_over_hf']}x; "
-                f"identical responses {results['greedy_agreement']:.0%}",
-                flush=True,
-            )
-        ks = [int(k) for k in args.ks.split(",")]
-        results["cache"] = cache_sizes(work / "hf", ks, args.codecs.split(","), args.cache_rows)
-        results["distillkit_reference_bytes_per_token_k128"] = 300
-    return write_results(results, args.out)
-
-
-def write_results(results: dict[str, Any], out: Path | None) -> int:
-    text = json.dumps(results, indent=2)
-    print(text)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+        try:
+            if args.eager_study:
+                results["eager_study"] = eager_study(work, args)
+            else:
+                results["generation"] = engine_study(work, args)
+                results["cache"] = cache_sizes(work / "hf-0", args.ks, args.codecs, args.cache_rows)
+                results["distillkit_reference_bytes_per_token_k128"] = DISTILLKIT_BYTES_PER_TOKEN_K128
+        except StageFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.rc
+    md = render_markdown(results)
+    out: Path = args.out
+    write_fragment(
+        out.stem,
+        results,
+        md,
+        command=command_line("bench.bench_data", argv),
+        machine=machine,
+        out_dir=out.parent,
+        show=True,
+    )
     return 0
 
 

@@ -3,8 +3,9 @@
 For each candidate draft (truncations of the target to `--layers` layers, plus any `--draft NAME=FOLDER`):
 - `c_hf`: draft / target KV-cached decode step time in PyTorch, batch 1 (`analytic.measure_cost_ratio`);
 - `c_vllm`: seconds per generated token of the candidate run ALONE in vLLM (plain decoding, batch 1), divided
-  by the same for the target; every model runs in the product's vLLM worker, one after another in this run,
-  on the same prompts, median of `--repeats` timed passes each;
+  by the same for the target; every model runs in the product's vLLM worker, one after another in this run
+  (the target first, then the candidates: not alternated), on the same prompts, median of `--repeats` timed
+  passes each; a pass that stops at EOS before `--timing-tokens` per prompt is flagged (‡), not hidden;
 - `alpha_hat`: acceptance at T=0 (top-1 agreement on the target's greedy continuations of held-out ShareGPT
   `test` prompts, `analytic.estimate_acceptance`);
 - the expected speedup for k = 1..6 (`analytic.expected_speedup` with c_vllm, or c_hf where vLLM failed), the
@@ -126,6 +127,21 @@ def per_token_seconds(result: dict[str, Any]) -> dict[str, Any]:
     return spread([w / n for w, n in zip(walls, tokens, strict=True)])
 
 
+def short_passes(result: dict[str, Any], asked: int) -> list[int]:
+    """Indices of the timed passes that generated fewer than `asked` tokens (a prompt stopped at EOS): their
+    ms/token spreads each prompt's prefill over fewer tokens, so they are not like for like with full passes."""
+    return [i for i, n in enumerate(result.get("output_tokens_per_pass") or []) if n < asked]
+
+
+def is_short(timing: dict[str, Any] | None) -> bool:
+    return bool(timing and not timing.get("error") and timing.get("short_passes"))
+
+
+SHORT_NOTE = (
+    "‡ = some timed passes of this model (or of the target) stopped at EOS before the tokens asked: its ms/token "
+    "spreads the prompts' prefill over fewer tokens, so c_vllm is not like for like."
+)
+
 HEADER = [
     "candidate",
     "layers",
@@ -149,13 +165,16 @@ def timing_table(rows: Sequence[dict[str, Any]], target_vllm: dict[str, Any] | N
             body.append([name, "failed", "—", "—", f"see {t.get('log', 'the log')}"])
             continue
         s = t["s_per_token"]
+        tokens = str(min(t["output_tokens_per_pass"]))
+        if is_short(t):
+            tokens += f" of {t['tokens_asked_per_pass']} ‡ (passes {t['short_passes']})"
         body.append(
             [
                 name,
                 f"{1e3 * s['median']:.2f}",
                 f"{1e3 * s['min']:.2f}–{1e3 * s['max']:.2f}",
                 f"{s['spread_pct']}%",
-                str(min(t["output_tokens_per_pass"])),
+                tokens,
             ]
         )
     header = ["model (alone in vLLM)", "ms/token", "min–max", "spread", "tokens/pass"]
@@ -174,13 +193,14 @@ def render_markdown(
             else f"{r['alpha_needed']:.3f} (k={r['alpha_needed_k']})"
         )
         c_mark = "" if r["c_source"] == "vllm" else " †"
+        short = r["c_vllm"] is not None and (is_short(r.get("vllm")) or is_short(target_vllm))
         body.append(
             [
                 r["name"],
                 str(r["layers"]),
                 f"{r['params'] / 1e6:.1f}",
                 fmt(r["c_hf"]),
-                fmt(r["c_vllm"]),
+                fmt(r["c_vllm"]) + (" ‡" if short else ""),
                 fmt(r["alpha_hat"]),
                 str(r["best_k"]),
                 fmt(r["expected_speedup"], 2) + c_mark,
@@ -198,6 +218,8 @@ def render_markdown(
         "Expected speedup = (1 − α^(k+1)) / ((1 − α)(1 + k·c)) with c = c_vllm († = c_hf: vLLM timing "
         "missing for that candidate).",
     ]
+    if is_short(target_vllm) or any(is_short(r.get("vllm")) for r in rows):
+        notes.append(SHORT_NOTE)
     return "\n\n".join(
         [
             "### Candidate drafts: cost ratio, acceptance, expected speedup",
@@ -376,11 +398,10 @@ def vllm_job(model_dir: str, prompts: list[list[int]], args: argparse.Namespace,
         "trust_remote_code": False,
         "prompts": prompts,
         "max_tokens": args.timing_tokens,
-        # Timing only: no stop ids. The worker still stops at the tokenizer's EOS unless it honours
-        # ignore_eos, so the cost is taken per generated token, not per pass.
+        # Timing only: no stop ids. vLLM still stops at the tokenizer's EOS (the worker has no ignore_eos), so
+        # the cost is taken per generated token and passes that stop short are flagged (short_passes).
         "eos_token_id": None,
         "stop_token_ids": [],
-        "ignore_eos": True,
         "max_model_len": max(map(len, prompts)) + args.timing_tokens + 8,
         "configs": [
             {
@@ -423,9 +444,18 @@ def measure_vllm_one(
     except (RuntimeFailure, ValueError, KeyError, IndexError) as exc:
         log.warning("vLLM timing of %s failed: %s", name, exc)
         return {"error": str(exc)[-2000:], "log": str(logs / f"{name}.log")}
+    asked = len(prompts) * args.timing_tokens
+    short = short_passes(res, asked)
+    if short:
+        log.warning(
+            "vLLM timing of %s: passes %s generated fewer than the %d tokens asked", name, short, asked
+        )
     return {
         "s_per_token": per_tok,
         "output_tokens_per_pass": res["output_tokens_per_pass"],
+        "tokens_asked_per_pass": asked,
+        "short_passes": short,
+        "prompts_stopped_early": sum(len(t) < args.timing_tokens for t in res.get("token_ids") or []),
         "wall_s": res["wall_s"],
         "startup_s": res.get("startup_s"),
         "engine_version": out.get("engine_version"),
@@ -595,16 +625,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     payload["wall_s"] = round(time.perf_counter() - t0, 1)
     md = render_markdown(payload["candidates"], payload["settings"], payload["target_vllm"])
-    json_path, md_path = write_fragment(
+    write_fragment(
         args.name,
         payload,
         md,
         command=command_line("bench.bench_drafts", argv),
         machine=machine,
         out_dir=args.out_dir,
+        show=True,
     )
-    print(md)
-    print(f"\nwrote {json_path} and {md_path}")
     return 0
 
 

@@ -9,8 +9,10 @@ figure here is a speed figure, which depends on shapes, never on weights. Accept
 (BENCHMARKS.md). vLLM is not installed on that machine (its CUDA wheel is far over what can be carried), so the
 vLLM speculative-decoding figures are CPU-only too; c is measured with the PyTorch KV-cached decode step.
 
-Writes OUT/gpu.json and OUT/gpu.md. Each training figure is tokens/s over `--steps` timed steps after
-`--warmup`, each configuration in its own process (bench_train's workers), side by side in one run.
+Writes OUT/gpu.json and OUT/gpu.md (with the command, the machine and the date). Each training figure is tokens/s
+over `--steps` timed steps after `--warmup`, each configuration in its own process (bench_train's workers),
+every configuration once per repeat with the order reversing from repeat to repeat; reported are the median and
+min–max of each and the ratios (bf16 / fp32, Lightning / plain) taken per repeat.
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import command_line, machine_info, markdown_table
+from bench.bench_train import ratio_per_repeat, run_alternating, summarize_speed
+from bench.common import (
+    command_line,
+    int_list,
+    machine_info,
+    markdown_table,
+    non_negative_int,
+    positive_int,
+    write_fragment,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -74,10 +84,19 @@ def write_random_rows(
         write_split(run_dir, split, rows)
 
 
-def train_speed(target: Path, run_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
-    """tokens/s of the KD step (draft fwd/bwd + online teacher fwd + AdamW) per precision × loop."""
-    from bench.bench_train import _run_worker
+RATIOS = {  # key: (numerator, denominator, label) over the plan's names, taken per repeat
+    "bf16_over_fp32": ("lightning_bf16-mixed", "lightning_32", "bf16-mixed / fp32 (Lightning)"),
+    "lightning_over_plain_bf16": (
+        "lightning_bf16-mixed",
+        "plain_bf16-mixed",
+        "Lightning / plain loop (bf16-mixed)",
+    ),
+    "lightning_over_plain_fp32": ("lightning_32", "plain_32", "Lightning / plain loop (fp32)"),
+}
 
+
+def train_plan(target: Path, run_dir: Path, a: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, bench_train worker, its arguments) per configuration: precision × loop, and a parallel draft."""
     base = {
         "target": str(target),
         "draft_layers": a.draft_layers,
@@ -89,16 +108,43 @@ def train_speed(target: Path, run_dir: Path, a: argparse.Namespace) -> dict[str,
         "teacher": "online",
         "run_dir": str(run_dir),
     }
-    out: dict[str, Any] = {}
-    plan = [(kind, precision, 0) for precision in ("bf16-mixed", "32") for kind in ("lightning", "plain")]
-    plan.append(("lightning", "bf16-mixed", a.parallel_tokens))
-    for kind, precision, parallel in plan:
-        name = f"{kind}_{precision}" + (f"_parallel{parallel}" if parallel else "")
-        t0 = time.perf_counter()
-        r = _run_worker(kind, {**base, "precision": precision, "parallel_tokens": parallel}, a.threads)
-        out[name] = {**r, "wall_s": round(time.perf_counter() - t0, 1)}
-        print(name, out[name], flush=True)
+    plan = [
+        (f"{kind}_{precision}", kind, {**base, "precision": precision, "parallel_tokens": 0})
+        for precision in ("bf16-mixed", "32")
+        for kind in ("lightning", "plain")
+    ]
+    if a.parallel_tokens:
+        plan.append(
+            (
+                f"lightning_bf16-mixed_parallel{a.parallel_tokens}",
+                "lightning",
+                {**base, "precision": "bf16-mixed", "parallel_tokens": a.parallel_tokens},
+            )
+        )
+    return plan
+
+
+def ratios(runs: list[dict[str, Any]], parallel_tokens: int) -> dict[str, dict[str, Any]]:
+    """Each ratio of RATIOS (and the parallel draft's tokens/s over the next-token draft's) per repeat."""
+    pairs = {key: (num, den) for key, (num, den, _) in RATIOS.items()}
+    if parallel_tokens:
+        pairs["parallel_over_next_token"] = (
+            f"lightning_bf16-mixed_parallel{parallel_tokens}",
+            "lightning_bf16-mixed",
+        )
+    out = {}
+    for key, (num, den) in pairs.items():
+        ratio = ratio_per_repeat(runs, num, den)
+        if ratio is not None:
+            out[key] = ratio
     return out
+
+
+def train_speed(target: Path, run_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """tokens/s of the KD step (draft fwd/bwd + online teacher fwd + AdamW) per precision × loop: every
+    configuration once per repeat (bench_train.run_alternating), medians, min–max and ratios per repeat."""
+    runs = run_alternating(train_plan(target, run_dir, a), a.repeats, a.threads)
+    return {"summary": summarize_speed(runs), "ratios": ratios(runs, a.parallel_tokens), "runs": runs}
 
 
 def cost_ratios(target: Path, layers: list[int], dtype: str, device: str) -> dict[str, Any]:
@@ -121,30 +167,43 @@ def cost_ratios(target: Path, layers: list[int], dtype: str, device: str) -> dic
     return out
 
 
-def render(results: dict[str, Any]) -> str:
-    cfg = results["config"]
+def _ratio(r: dict[str, Any] | None) -> str:
+    return "—" if r is None else f"**{r['median']:.2f}x** ({r['min']:.2f}–{r['max']:.2f}, n={r['n']})"
+
+
+def render(results: dict[str, Any], machine: dict[str, Any]) -> str:
+    cfg, train = results["config"], results["train"]
     rows = [
-        [name, f"{r['tokens_per_s']:.0f}", f"{r.get('peak_cuda_mib', 0):.0f}", str(r["steps"])]
-        for name, r in results["train"].items()
+        [
+            name,
+            f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}–{r['tokens_per_s_max']:.0f}, n={r['n']})",
+            f"{r.get('peak_cuda_mib', 0):.0f}",
+            str(r["steps"]),
+        ]
+        for name, r in train["summary"].items()
     ]
-    speed = markdown_table(["KD step (online teacher)", "tokens/s", "peak GPU MiB", "timed steps"], rows)
+    speed = markdown_table(
+        ["KD step (online teacher)", "tokens/s (median, min–max)", "peak GPU MiB (median)", "timed steps"],
+        rows,
+    )
+    labels = {key: label for key, (_, _, label) in RATIOS.items()}
+    labels["parallel_over_next_token"] = (
+        f"parallel draft ({cfg['parallel_tokens']} tokens) / next-token draft"
+    )
+    ratio_rows = [[labels[key], _ratio(r)] for key, r in train["ratios"].items()]
     c = results["cost"]
     c_rows = [[name, f"{d['step_ms']:.2f}", f"{d['c']:.3f}"] for name, d in c["drafts"].items()]
     cost = markdown_table(["draft", "decode step (ms)", "c = draft / target"], c_rows)
-    m = results["machine"]
-    bf16 = results["train"]["lightning_bf16-mixed"]["tokens_per_s"]
-    fp32 = results["train"]["lightning_32"]["tokens_per_s"]
-    plain = results["train"]["plain_bf16-mixed"]["tokens_per_s"]
     return "\n\n".join(
         [
-            f"### GPU: {results['gpu']} ({m.get('torch', '?')}, {m['date']})",
-            f"Command: `{results['command']}`. Target: SmolLM2-135M-Instruct's architecture with random "
-            f"weights; draft = its first {cfg['draft_layers']} layers; batch {cfg['batch_size']} × "
-            f"{cfg['seq_len']} tokens ({cfg['seq_len'] - cfg['prompt_len']} counted per row), over "
-            f"{cfg['steps']} timed steps after {cfg['warmup']} warm-up.",
+            f"### GPU: {results['gpu']} ({machine.get('torch', '?')}, {machine['date']})",
+            f"Target: SmolLM2-135M-Instruct's architecture with random weights; draft = its first "
+            f"{cfg['draft_layers']} layers; batch {cfg['batch_size']} × {cfg['seq_len']} tokens "
+            f"({cfg['seq_len'] - cfg['prompt_len']} counted per row), over {cfg['steps']} timed steps after "
+            f"{cfg['warmup']} warm-up; {cfg['repeats']} repeat(s), every configuration once per repeat in its "
+            "own process, the order reversing from repeat to repeat.",
             speed,
-            f"bf16-mixed / fp32 (Lightning): {bf16 / fp32:.2f}x; Lightning / plain loop (bf16-mixed): "
-            f"{bf16 / plain:.2f}.",
+            markdown_table(["tokens/s ratio, per repeat", "median (min–max)"], ratio_rows),
             f"Batch-1 KV-cached decode step in {cfg['dtype']} (PyTorch eager, no CUDA graphs): target "
             f"{c['target_step_ms']:.2f} ms.",
             cost,
@@ -165,29 +224,61 @@ def gpu_name() -> str:
         return "unknown GPU"
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
+def target_layers(assets: Path) -> int | None:
+    """The target's depth from the assets' config.json (None when it cannot be read: checked later)."""
+    try:
+        return int(json.loads((assets / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--assets", type=Path, required=True, help="folder with the target's config + tokenizer")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/distill-gpu"))
-    p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--threads", type=int, default=8)
-    p.add_argument("--layers", default="1,2,4,6", help="draft depths for c")
+    p.add_argument("--draft-layers", type=positive_int, default=2)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--seq-len", type=positive_int, default=512)
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--warmup", type=non_negative_int, default=5)
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="runs per training configuration, alternating (median, min–max; ratios per repeat)",
+    )
+    p.add_argument("--threads", type=positive_int, default=8)
+    p.add_argument("--layers", type=int_list, default=[1, 2, 4, 6], help="draft depths for c, e.g. 1,2,4,6")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--parallel-tokens", type=int, default=4, help="also time a parallel draft's step")
+    p.add_argument(
+        "--parallel-tokens",
+        type=non_negative_int,
+        default=4,
+        help="also time a parallel draft's step (0: not)",
+    )
     p.add_argument("--allow-cpu", action="store_true", help="dry run of the script on a CPU (tiny sizes)")
     a = p.parse_args(argv)
+    if a.prompt_len >= a.seq_len:
+        p.error(f"--prompt-len: {a.prompt_len} leaves no response tokens in --seq-len {a.seq_len}")
+    n = target_layers(a.assets)
+    if n is None:
+        p.error(f"--assets: no readable config.json with num_hidden_layers in {a.assets}")
+    for opt, depths in (("--layers", a.layers), ("--draft-layers", [a.draft_layers])):
+        if max(depths) > n:
+            p.error(f"{opt}: {max(depths)} is more than the target's {n} layers")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    import torch
+
     if not torch.cuda.is_available() and not a.allow_cpu:
         print("bench_gpu: no CUDA device here; run it through bench/gpu.sh on a GPU machine", file=sys.stderr)
         return 2
-    a.out_dir.mkdir(parents=True, exist_ok=True)
+    machine = {**machine_info(), "torch": torch.__version__}
     target = build_random_target(a.assets, a.workdir / "target")
     run_dir = a.workdir / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -197,22 +288,15 @@ def main(argv: list[str] | None = None) -> int:
         run_dir, vocab, n_train=n_train, n_val=a.batch_size, seq_len=a.seq_len, prompt_len=a.prompt_len
     )
     results: dict[str, Any] = {
-        "command": command_line("bench.bench_gpu", argv),
-        "machine": machine_info(),
         "gpu": gpu_name(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
         "train": train_speed(target, run_dir, a),
-        "cost": cost_ratios(
-            target,
-            [int(x) for x in a.layers.split(",")],
-            a.dtype,
-            "cuda" if torch.cuda.is_available() else "cpu",
-        ),
+        "cost": cost_ratios(target, a.layers, a.dtype, "cuda" if torch.cuda.is_available() else "cpu"),
     }
-    results["machine"]["torch"] = torch.__version__
-    (a.out_dir / "gpu.json").write_text(json.dumps(results, indent=2) + "\n")
-    md = render(results)
-    (a.out_dir / "gpu.md").write_text(md + "\n")
+    md = render(results, machine)
+    write_fragment(
+        "gpu", results, md, command=command_line("bench.bench_gpu", argv), machine=machine, out_dir=a.out_dir
+    )
     print(md)
     print("median c:", statistics.median(d["c"] for d in results["cost"]["drafts"].values()))
     return 0

@@ -38,6 +38,8 @@ from bench.common import (
     machine_info,
     markdown_table,
     median,
+    non_negative_int,
+    positive_int,
     spread,
     utc_now,
     write_fragment,
@@ -306,16 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         "--run-dir", default="checkpoints/smollm2-sharegpt", help="a run with a complete data stage"
     )
     p.add_argument("--drafts", default=",".join(DRAFTS), help=f"comma list of {sorted(DRAFTS)}")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument(
         "--trim-every",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="hand retained memory back every N steps (0 = distill train's TRIM_EVERY_STEPS)",
     )
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true", help="2 timed steps, 1 repeat, the autoregressive draft")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     p.add_argument("--worker", help=argparse.SUPPRESS)

@@ -1,13 +1,16 @@
 """Train-stage benchmarks: Lightning step vs a plain PyTorch loop, cached vs online teacher, peak memory,
 and the acceptance reached by top-k cached vs full-logit training at equal steps.
 
-    python bench/bench_train.py                                  # tiny target built in code (minutes)
-    python bench/bench_train.py --target smollm2-135m-instruct --draft-layers 2 --seq-len 384 --steps 40
-    python bench/bench_train.py --only speed                     # skip the acceptance comparison
+    python -m bench.bench_train                                  # tiny target built in code (minutes)
+    python -m bench.bench_train --target smollm2-135m-instruct --draft-layers 2 --seq-len 384 --steps 40
+    python -m bench.bench_train --only speed                     # skip the acceptance comparison
 
 Every configuration runs in its own process (so peak RSS is that configuration's), with one thread unless
---threads says otherwise. Results: a JSON file and a Markdown table (--out, default bench/results/train.*).
-Nothing here is estimated: each figure is timed on this machine after --warmup steps.
+--threads says otherwise. Speed: every configuration runs once per repeat, the order reversing from repeat to
+repeat so that a drifting machine favours none; reported are the median and min–max tokens/s of each and the
+ratios (Lightning / plain, cached / online) taken per repeat. Results: `--out` (default bench/out/train) .json
+and .md, with the command, the machine and the date. Nothing here is estimated: each figure is timed on this
+machine after --warmup steps.
 """
 
 from __future__ import annotations
@@ -24,8 +27,21 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # the workers run this file as a script
 
+from bench.common import (  # noqa: E402
+    OUT_DIR,
+    command_line,
+    fmt,
+    int_list,
+    machine_info,
+    markdown_table,
+    median,
+    non_negative_int,
+    positive_int,
+    spread,
+    write_fragment,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # Worker side: one configuration, one process
@@ -176,7 +192,7 @@ def worker_acceptance(args: dict[str, Any]) -> dict[str, Any]:
 
     cfg, tok, draft, teacher, (dm, spec, target_dir) = _setup(args, args["teacher"])
     module = build_module(cfg, draft, teacher, spec, len(tok))
-    trainer = bare_trainer(args["steps"])
+    trainer = bare_trainer(args["steps"], precision=args["precision"])
     trainer.fit(module, datamodule=dm)
     full_teacher = load_causal_lm(target_dir)
     rows = load_rows(cfg.run_dir, "val", cached=False, max_seq_len=cfg.train.max_seq_len)
@@ -194,6 +210,7 @@ def worker_acceptance(args: dict[str, Any]) -> dict[str, Any]:
         "top1_agreement": fig["top1_agreement"],
         "val_loss_vs_full_teacher": fig["loss"],
         "steps": args["steps"],
+        "precision": args["precision"],
     }
 
 
@@ -259,57 +276,192 @@ def _rebuild_topk(target_dir: Path, kdir: Path, k: int) -> None:
         write_topk(kdir, split, model, rows, k)
 
 
+def run_alternating(
+    plan: list[tuple[str, str, dict[str, Any]]], repeats: int, threads: int
+) -> list[dict[str, Any]]:
+    """Every configuration of `plan` ((name, worker kind, worker args)) once per repeat, each in its own process,
+    the order reversing from repeat to repeat; one row per run: {"name", "repeat", "wall_s", **its result}."""
+    runs = []
+    for rep in range(repeats):
+        for name, kind, args in plan if rep % 2 == 0 else plan[::-1]:
+            t0 = time.perf_counter()
+            result = _run_worker(kind, args, threads)
+            runs.append({"name": name, "repeat": rep, "wall_s": round(time.perf_counter() - t0, 1), **result})
+            print(f"repeat {rep} {name}: {result['tokens_per_s']:.1f} tokens/s", flush=True)
+    return runs
+
+
+def summarize_speed(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per configuration: tokens/s median (`tokens_per_s`) and min–max over the repeats, median peak memory."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["name"] for r in runs):
+        mine = [r for r in runs if r["name"] == name]
+        tps = spread([float(r["tokens_per_s"]) for r in mine])
+        row = {
+            "tokens_per_s": tps["median"],
+            "tokens_per_s_min": tps["min"],
+            "tokens_per_s_max": tps["max"],
+            "n": tps["n"],
+            "all_tokens_per_s": [round(float(r["tokens_per_s"]), 1) for r in mine],
+            "steps": mine[0]["steps"],
+            "peak_rss_mib": median([float(r["peak_rss_mib"]) for r in mine]),
+        }
+        if all("peak_cuda_mib" in r for r in mine):
+            row["peak_cuda_mib"] = median([float(r["peak_cuda_mib"]) for r in mine])
+        out[name] = row
+    return out
+
+
+def ratio_per_repeat(runs: list[dict[str, Any]], num: str, den: str) -> dict[str, Any] | None:
+    """tokens/s of configuration `num` over `den` within each repeat (they ran side by side), as a spread;
+    None when no repeat has both."""
+    ratios = []
+    for rep in dict.fromkeys(r["repeat"] for r in runs):
+        tps = {r["name"]: float(r["tokens_per_s"]) for r in runs if r["repeat"] == rep}
+        if num in tps and den in tps:
+            ratios.append(tps[num] / tps[den])
+    return spread(ratios) if ratios else None
+
+
+def ratio_text(ratio: dict[str, Any] | None) -> str:
+    if ratio is None:
+        return "—"
+    return f"**{ratio['median']:.3f}** ({ratio['min']:.3f}–{ratio['max']:.3f}, n={ratio['n']})"
+
+
+SPEED_RATIOS = {  # results key: (numerator, denominator, label) over the speed plan's names
+    "lightning_over_plain": ("lightning_online", "plain_online", "Lightning / plain (online teacher)"),
+    "lightning_over_plain_cached": ("lightning_cached", "plain_cached", "Lightning / plain (cached teacher)"),
+    "cached_over_online": ("lightning_cached", "lightning_online", "cached / online teacher (Lightning)"),
+}
+
+
+def speed_plan(
+    base: dict[str, Any], tmp: Path, k_cached: int | None
+) -> list[tuple[str, str, dict[str, Any]]]:
+    plan = [
+        ("plain_online", "plain", {**base, "teacher": "online", "run_dir": str(tmp / "full")}),
+        ("lightning_online", "lightning", {**base, "teacher": "online", "run_dir": str(tmp / "full")}),
+    ]
+    if k_cached:
+        cached = {**base, "teacher": "cached", "run_dir": str(tmp / f"k{k_cached}")}
+        plan += [("plain_cached", "plain", cached), ("lightning_cached", "lightning", cached)]
+    return plan
+
+
+def speed_results(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The speed part of the results: per configuration, and each ratio per repeat (its median as a number)."""
+    out: dict[str, Any] = {"speed": summarize_speed(runs), "speed_runs": runs}
+    for key, (num, den, _) in SPEED_RATIOS.items():
+        ratio = ratio_per_repeat(runs, num, den)
+        if ratio is not None:
+            out[key] = ratio["median"]
+            out[f"{key}_per_repeat"] = ratio
+    return out
+
+
 def _table(results: dict[str, Any]) -> str:
-    lines = ["| run | tokens/s | peak RSS MiB | steps |", "|---|---|---|---|"]
-    for name, r in results["speed"].items():
-        lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} | {r['steps']} |")
-    if "lightning_over_plain" in results:
-        lines.append(f"\nLightning / plain tokens/s (online): {results['lightning_over_plain']:.3f}")
-    if results.get("acceptance"):
-        lines += [
-            "",
-            "| training | val expected acceptance (T=1, vs full teacher) | top-1 | steps |",
-            "|---|---|---|---|",
+    cfg = results["config"]
+    titles = [
+        title
+        for key, title in (
+            ("speed", "Lightning step vs a plain loop, cached vs online teacher"),
+            ("acceptance", "acceptance after top-k cached vs full-logit training"),
+        )
+        if results.get(key)
+    ]
+    parts = ["### Train stage: " + "; ".join(titles)]
+    if results.get("speed"):
+        rows = [
+            [
+                name,
+                f"{fmt(r['tokens_per_s'], 0)} ({fmt(r['tokens_per_s_min'], 0)}–{fmt(r['tokens_per_s_max'], 0)}, "
+                f"n={r['n']})",
+                fmt(r["peak_rss_mib"], 0),
+                str(r["steps"]),
+            ]
+            for name, r in results["speed"].items()
         ]
-        for name, r in results["acceptance"].items():
-            lines.append(
-                f"| {name} | {r['expected_acceptance']:.4f} | {r['top1_agreement']:.4f} | {r['steps']} |"
+        parts.append(
+            markdown_table(
+                ["run", "tokens/s (median, min–max)", "peak RSS MiB (median)", "timed steps"], rows
             )
-    return "\n".join(lines) + "\n"
+        )
+        ratios = [
+            [label, ratio_text(results.get(f"{key}_per_repeat"))]
+            for key, (_, _, label) in SPEED_RATIOS.items()
+            if f"{key}_per_repeat" in results
+        ]
+        parts.append(markdown_table(["tokens/s ratio, per repeat", "median (min–max)"], ratios))
+        parts.append(
+            f"Target `{cfg['target_ref']}`, {cfg['draft_layers']}-layer draft, batch {cfg['batch_size']} × ≤ "
+            f"{cfg['seq_len']} tokens, precision {cfg['precision']}, {cfg['threads']} thread(s); cached = the top-{max(cfg['top_k'])} "
+            f"cache; {cfg['steps']} timed steps after {cfg['warmup']} untimed; {cfg['repeats']} repeat(s), every configuration once per repeat in "
+            "its own process, the order reversing from repeat to repeat."
+        )
+    if results.get("acceptance"):
+        rows = [
+            [name, f"{r['expected_acceptance']:.4f}", f"{r['top1_agreement']:.4f}", str(r["steps"])]
+            for name, r in results["acceptance"].items()
+        ]
+        parts.append(
+            markdown_table(
+                ["training", "val expected acceptance (T=1, vs full teacher)", "top-1", "steps"], rows
+            )
+        )
+        parts.append(f"Acceptance: {cfg['steps']} training steps at {cfg['precision']}, one run each.")
+    return "\n\n".join(parts)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--target", default=None, help="target model reference (default: a tiny Llama built in code)"
     )
-    p.add_argument("--draft-layers", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=20, help="timed steps (speed) / training steps (acceptance)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--draft-layers", type=positive_int, default=1)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=128)
     p.add_argument(
-        "--repeats", type=int, default=2, help="speed runs per configuration (best kept, all listed)"
+        "--steps", type=positive_int, default=20, help="timed steps (speed) / training steps (acceptance)"
+    )
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="speed runs per configuration, alternating (median and min–max; ratios per repeat)",
     )
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
+    p.add_argument("--precision", default="32", choices=["32", "bf16-mixed"], help="speed and acceptance")
     p.add_argument(
-        "--top-k", default="16,64", help="comma-separated cache sizes for the acceptance comparison"
+        "--top-k",
+        type=int_list,
+        default=[16, 64],
+        help="comma-separated cache sizes for the acceptance comparison (the largest: the cached speed runs)",
     )
-    p.add_argument("--n-train", type=int, default=96)
-    p.add_argument("--n-val", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--n-train", type=positive_int, default=96)
+    p.add_argument("--n-val", type=positive_int, default=16)
+    p.add_argument("--max-new-tokens", type=positive_int, default=48)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--only", choices=["speed", "acceptance"], default=None)
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "train"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=OUT_DIR / "train",
+        help="OUT.json and OUT.md (default bench/out/train; a .json suffix is taken off)",
+    )
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--worker-args", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if a.worker:
         print(json.dumps(WORKERS[a.worker](json.loads(a.worker_args))))
-        return
-
-    top_ks = [int(k) for k in a.top_k.split(",") if k.strip()]
+        return 0
+    machine = machine_info()
+    top_ks: list[int] = a.top_k
     tmp = Path(tempfile.mkdtemp(prefix="bench_train."))
     target = a.target
     if target is None:
@@ -331,9 +483,12 @@ def main() -> None:
     results: dict[str, Any] = {
         "config": {
             **base,
+            "target_ref": a.target or "a tiny Llama built in code",
             "top_k": top_ks,
             "threads": a.threads,
+            "repeats": a.repeats,
             "n_train": a.n_train,
+            "n_val": a.n_val,
             "max_new_tokens": a.max_new_tokens,
         },
         "data_seconds": round(time.time() - t0, 1),
@@ -341,28 +496,8 @@ def main() -> None:
         "acceptance": {},
     }
     if a.only in (None, "speed"):
-        k_cached = max(top_ks) if top_ks else None
-        plan = [
-            ("plain_online", "plain", "online", tmp / "full"),
-            ("lightning_online", "lightning", "online", tmp / "full"),
-        ]
-        if k_cached:
-            plan += [
-                (f"plain_cached_k{k_cached}", "plain", "cached", tmp / f"k{k_cached}"),
-                (f"lightning_cached_k{k_cached}", "lightning", "cached", tmp / f"k{k_cached}"),
-            ]
-        for name, kind, teacher, run_dir in plan:
-            runs = [
-                _run_worker(kind, {**base, "teacher": teacher, "run_dir": str(run_dir)}, a.threads)
-                for _ in range(a.repeats)
-            ]
-            best = max(runs, key=lambda r: r["tokens_per_s"])
-            results["speed"][name] = {**best, "all_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs]}
-            print(name, results["speed"][name], flush=True)
-        results["lightning_over_plain"] = (
-            results["speed"]["lightning_online"]["tokens_per_s"]
-            / results["speed"]["plain_online"]["tokens_per_s"]
-        )
+        plan = speed_plan(base, tmp, max(top_ks))
+        results.update(speed_results(run_alternating(plan, a.repeats, a.threads)))
     if a.only in (None, "acceptance"):
         acc_plan = [("full_logits", "online", tmp / "full")] + [
             (f"top{k}", "cached", tmp / f"k{k}") for k in top_ks
@@ -372,12 +507,19 @@ def main() -> None:
                 "acceptance", {**base, "teacher": teacher, "run_dir": str(run_dir)}, a.threads
             )
             print(name, results["acceptance"][name], flush=True)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    out.with_suffix(".md").write_text(_table(results))
-    print(_table(results))
+    out = a.out.with_suffix("") if a.out.suffix == ".json" else a.out
+    md = _table(results)
+    write_fragment(
+        out.name,
+        results,
+        md,
+        command=command_line("bench.bench_train", argv),
+        machine=machine,
+        out_dir=out.parent,
+        show=True,
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -127,16 +127,25 @@ def bare_trainer(max_steps: int, *, precision: str = "32", callbacks: Sequence[A
 # Options
 
 
-def positive_int(text: str) -> int:
-    """argparse `type=` for counts (repeats, steps, threads): a bad value is argparse's exit 2 naming the
-    option, not a traceback (or an empty table) after minutes of work."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse `type=` for counts (repeats, steps, threads): a bad value is argparse's exit 2 naming the
+    option, not a traceback (or an empty table) after minutes of work."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse `type=` for counts where 0 means none (warm-up steps, trim intervals)."""
+    return _int_at_least(text, 0)
 
 
 def int_list(text: str) -> list[int]:
@@ -201,8 +210,10 @@ def write_fragment(
     command: str,
     machine: dict[str, Any],
     out_dir: Path = OUT_DIR,
+    show: bool = False,
 ) -> tuple[Path, Path]:
-    """Write `<out_dir>/<name>.json` (payload + command + machine) and `<out_dir>/<name>.md` atomically."""
+    """Write `<out_dir>/<name>.json` (payload + command + machine) and `<out_dir>/<name>.md` atomically; with
+    `show`, also print the table and where it went (what a bench run at the terminal shows)."""
     from distill.utils.fs import atomic_write_json, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,4 +221,7 @@ def write_fragment(
     atomic_write_json(json_path, {"bench": name, "command": command, "machine": machine, **payload})
     footer = f"\n\nCommand: `{command}`  \nMachine: {machine_line(machine)}\n"
     atomic_write_text(md_path, markdown.rstrip() + footer)
+    if show:
+        print(markdown)
+        print(f"\nwrote {json_path} and {md_path}")
     return json_path, md_path

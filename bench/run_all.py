@@ -38,7 +38,9 @@ BENCHES = (
     "bench_drafts",
 )
 # Quick arguments for benches that have no --quick flag (used only when their --help lacks one).
-QUICK_FALLBACK = {"bench_data": ["--skip-vllm", "--prompts", "16", "--max-new-tokens", "64"]}
+QUICK_FALLBACK = {
+    "bench_data": ["--skip-vllm", "--prompts", "16", "--max-new-tokens", "64", "--repeats", "1"]
+}
 # Full runs that are not a bench's own defaults, each variant with its own log and `<stem>-<variant>` files:
 # bench_train's defaults are a tiny target built in code (right for its acceptance comparison, which trains
 # three drafts to a plateau); its speed figures are wanted on the embedded default.

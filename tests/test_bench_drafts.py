@@ -81,6 +81,39 @@ def test_per_token_seconds():
         bd.per_token_seconds({"wall_s": [1.0], "output_tokens_per_pass": [0]})
 
 
+def test_vllm_job_has_no_dead_ignore_eos_key(tmp_path):
+    """The eval worker never reads ignore_eos (distill/evaluate/jobs.py): a key it ignores must not be sent."""
+    args = bd.parse_args(["--quick"])
+    job = bd.vllm_job("/m", [[1, 2, 3]], args, tmp_path / "p.json")
+    assert "ignore_eos" not in job and job["max_tokens"] == args.timing_tokens
+
+
+def test_passes_that_stop_short_are_flagged(tmp_path, monkeypatch):
+    import distill.utils.subproc
+
+    args = bd.parse_args(["--quick"])  # 32 tokens per prompt
+    prompts = [[1, 2], [3, 4]]
+    result = {
+        "wall_s": [1.0, 1.0, 1.0],
+        "output_tokens_per_pass": [64, 40, 64],
+        "token_ids": [[5] * 32, [6] * 8],
+        "error": None,
+    }
+    monkeypatch.setattr(
+        distill.utils.subproc, "run_worker", lambda job, **kw: {"results": [result], "engine_version": "v"}
+    )
+    t = bd.measure_vllm_one("truncate-1", "/m", prompts, args, tmp_path)
+    assert t["error"] is None and t["tokens_asked_per_pass"] == 64
+    assert t["short_passes"] == [1] and t["prompts_stopped_early"] == 1
+    full = {**t, "output_tokens_per_pass": [64, 64, 64], "short_passes": []}
+    rows = [{**_row("truncate-1", 0.2), "vllm": t}, {**_row("truncate-2", 0.3), "vllm": full}]
+    md = bd.render_markdown(rows, SETTINGS, full)
+    assert "| truncate-1 | 2 | 42.0 | 0.300 | 0.200 ‡ |" in md
+    assert "| truncate-2 | 2 | 42.0 | 0.300 | 0.300 |" in md
+    assert "| 40 of 64 ‡ (passes [1]) |" in md and bd.SHORT_NOTE in md
+    assert bd.SHORT_NOTE not in bd.render_markdown(rows[1:], SETTINGS, full)
+
+
 def test_c_vllm_of_needs_both_timings():
     ok = {"s_per_token": {"median": 0.01}, "error": None}
     cand = {"s_per_token": {"median": 0.002}, "error": None}

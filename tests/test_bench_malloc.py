@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench import bench_malloc
+from bench import bench_blocks, bench_malloc
 
 
 def _run(draft: str, retain: bool, repeat: int, steps: list[float], system: float = 1.0) -> dict:
@@ -52,3 +52,25 @@ def test_missing_data_run_is_an_input_error(tmp_path, capsys):
     assert bench_malloc.main(["--run-dir", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path)]) == 2
     assert "no complete data stage" in capsys.readouterr().err
     assert not (tmp_path / "malloc.json").exists()
+
+
+@pytest.mark.parametrize("bench", ["malloc", "blocks"])
+@pytest.mark.parametrize(
+    "argv", [["--repeats", "0"], ["--steps", "0"], ["--threads", "0"], ["--warmup", "-1"]]
+)
+def test_bad_counts_are_exit_2_before_any_run(tmp_path, capsys, monkeypatch, bench, argv):
+    """The two training-loop benches: --repeats 0 used to exit 0 with an empty table (malloc) or fail with an
+    IndexError (blocks), --steps 0 to crash in spread([]) / median([]) after the runs."""
+    module = {"malloc": bench_malloc, "blocks": bench_blocks}[bench]
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "manifest.json").write_text("{}")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a worker ran before the input checks")
+
+    monkeypatch.setattr(module, "run_worker", must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--run-dir", str(run), "--out-dir", str(tmp_path), *argv])
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+    assert not (tmp_path / f"{bench}.json").exists()
