@@ -33,6 +33,7 @@ from bench.common import (
     machine_info,
     markdown_table,
     median,
+    order_for_repeat,
     positive_int,
     spread,
     write_fragment,
@@ -114,7 +115,7 @@ def run_passes(
     passes: dict[str, list[dict[str, Any]]] = {name: [] for name in modes}
     names = list(modes)
     for r in range(args.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
+        for name in order_for_repeat(names, r):
             engine, extra = modes[name]
             res = run_stage(work / f"{name}-{r}", engine, args, extra)
             passes[name].append(res)

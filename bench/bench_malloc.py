@@ -39,6 +39,7 @@ from bench.common import (
     markdown_table,
     median,
     non_negative_int,
+    order_for_repeat,
     positive_int,
     spread,
     utc_now,
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     started = utc_now()
     runs = []
     for rep in range(args.repeats):
-        order = (True, False) if rep % 2 == 0 else (False, True)
+        order = order_for_repeat((True, False), rep)
         for draft in drafts:
             for retain in order:
                 result = run_worker(worker_job(args, work, DRAFTS[draft], draft, retain), args.threads)

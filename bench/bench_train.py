@@ -38,6 +38,7 @@ from bench.common import (  # noqa: E402
     markdown_table,
     median,
     non_negative_int,
+    order_for_repeat,
     positive_int,
     spread,
     write_fragment,
@@ -283,7 +284,7 @@ def run_alternating(
     the order reversing from repeat to repeat; one row per run: {"name", "repeat", "wall_s", **its result}."""
     runs = []
     for rep in range(repeats):
-        for name, kind, args in plan if rep % 2 == 0 else plan[::-1]:
+        for name, kind, args in order_for_repeat(plan, rep):
             t0 = time.perf_counter()
             result = _run_worker(kind, args, threads)
             runs.append({"name": name, "repeat": rep, "wall_s": round(time.perf_counter() - t0, 1), **result})

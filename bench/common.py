@@ -18,10 +18,11 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "bench" / "out"
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,6 +159,12 @@ def int_list(text: str) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------------
 # Statistics
+
+
+def order_for_repeat(items: Sequence[T], repeat: int) -> list[T]:
+    """Side-by-side runs: the order reverses every repeat (A B, B A, ...), so a machine that drifts during a
+    run favours no configuration."""
+    return list(items) if repeat % 2 == 0 else list(items)[::-1]
 
 
 def median(values: Sequence[float]) -> float:
