@@ -102,6 +102,19 @@ RECIPES: dict[str, list[str]] = {
         "train.max_steps=600",
         "train.val_every=200",
     ],
+    # The "truncate vs fresh init": the shipped recipe on a fresh small Llama (`draft.init=config`: 4
+    # layers of width 256, tied embeddings, the target's tokenizer) instead of the target's first 2 layers; its
+    # 49152 x 256 head costs less than half the truncated draft's 49152 x 576 one.
+    "pard4-fresh-h256-l4-lr4e-3": [
+        "draft.num_layers=4",
+        *PARD4[1:-1],
+        "train.lr=4e-3",
+        "draft.init=config",
+        "draft.hidden_size=256",
+        "draft.intermediate_size=768",
+        "draft.num_attention_heads=4",
+        "draft.num_key_value_heads=2",
+    ],
     # The shipped recipe on sampled (T=1) target responses instead of greedy ones (DATA_VARIANTS).
     "pard4-lr4e-3-data-t1": [*PARD4[:-1], "train.lr=4e-3"],
 }

@@ -27,12 +27,13 @@ from bench.common import OUT_DIR, REPO, machine_info, machine_line, utc_now
 
 # bench_eval trains the embedded default's draft when it is missing, so it runs before bench_drafts, which
 # measures that distilled draft beside the undistilled candidates, and before bench_malloc and bench_blocks,
-# which train on that run's data.
+# which train on that run's data, as does bench_eagle (an EAGLE-1 head on that run's responses).
 BENCHES = (
     "bench_data",
     "bench_train",
     "bench_recipes",
     "bench_eval",
+    "bench_eagle",
     "bench_malloc",
     "bench_blocks",
     "bench_drafts",

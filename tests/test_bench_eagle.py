@@ -1,0 +1,140 @@
+"""The EAGLE-1 head study (bench/bench_eagle.py): alignment, the identity start, vLLM's weight names, a short
+training on a tiny target, input errors, and (with vLLM) the head running as vLLM's `method: eagle`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import bench_eagle as be
+from distill.utils.subproc import vllm_available
+
+
+def make_run_dir(root: Path, tokenizer, n_train: int = 48, n_val: int = 8) -> Path:
+    """A run folder with a data stage's train/val splits: tiny-tokenizer sentences, the second half scored."""
+    from datasets import Dataset
+
+    from distill.models.tiny import synthetic_corpus
+
+    sentences = synthetic_corpus(n_train + n_val, seed=1)
+    rows = []
+    for text in sentences:
+        ids = tokenizer(text)["input_ids"][:40]
+        half = len(ids) // 2
+        rows.append({"input_ids": ids, "loss_mask": [0] * half + [1] * (len(ids) - half)})
+    for split, part in (("train", rows[:n_train]), ("val", rows[n_train:])):
+        Dataset.from_list(part).save_to_disk(str(root / "data" / split))
+    return root
+
+
+def test_aligned_pairs_next_token_with_current_state():
+    import torch
+
+    b, length, h = 2, 6, 3
+    pos = torch.arange(length, dtype=torch.float32)
+    hidden = pos.view(1, length, 1).expand(b, length, h)  # h_t carries t
+    embeds = 100 + pos.view(1, length, 1).expand(b, length, h)  # emb(x_t) carries 100 + t
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    next_embeds, hidden_in, hidden_next, scored = be.aligned(hidden, embeds, mask)
+    assert next_embeds.shape == hidden_in.shape == (b, length - 1, h)
+    assert hidden_next.shape == (b, length - 2, h) and scored.shape == (b, length - 2)
+    t = torch.arange(length - 1, dtype=torch.float32)
+    assert torch.equal(next_embeds[0, :, 0], 100 + t + 1)  # position t reads x_{t+1} ...
+    assert torch.equal(hidden_in[0, :, 0], t)  # ... and h_t
+    assert torch.equal(hidden_next[0, :, 0], t[:-1] + 1)  # and is matched to h_{t+1}
+    assert scored[1].tolist() == [1, 1, 1, 0]  # scored where x_{t+2} is a response token
+
+
+def test_head_starts_as_identity_and_exports_vllm_names(tiny_target_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from distill.models.draft import load_causal_lm
+
+    target = load_causal_lm(tiny_target_dir).eval()
+    head = be.build_head(target, num_layers=1, init_layer=-1)
+    hidden = torch.randn(2, 5, target.config.hidden_size)
+    f = head(torch.randn_like(hidden), hidden, torch.ones(2, 5, dtype=torch.long))
+    assert torch.allclose(f, hidden, atol=1e-6)  # step 0 predicts what the target predicted at t
+
+    names = set(be.head_state_dict(head))
+    assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert "layers.0.post_attention_layernorm.weight" in names
+    assert not any(
+        "input_layernorm" in n or "embed" in n or "lm_head" in n or n.startswith("norm") for n in names
+    )
+
+    out = be.save_head(head, tiny_target_dir, tmp_path / "head", "float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["EagleLlamaForCausalLM"]
+    assert set(load_file(out / "model.safetensors")) == names
+    with pytest.raises(ValueError, match="--init-layer"):
+        be.build_head(target, num_layers=1, init_layer=99)
+
+
+def test_short_training_learns_the_shift(tiny_target_dir, tiny_tokenizer, tmp_path):
+    run = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    out = tmp_path / "out"
+    rc = be.main(
+        [
+            "--quick", "--no-vllm", "--run-dir", str(run), "--target", str(tiny_target_dir),
+            "--steps", "40", "--batch-size", "8", "--lr", "3e-3", "--warmup", "5", "--val-every", "20",
+            "--dtype", "float32", "--out-dir", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    payload = json.loads((out / "eagle.json").read_text())
+    val = payload["history"]["val_top1"]
+    assert [v["step"] for v in val] == [0, 20, 40]
+    train = payload["history"]["train"]
+    assert train[-1]["fkl"] < 0.7 * train[0]["fkl"]  # it learns the one-token shift from the identity start
+    assert val[-1]["top1"] > val[0]["top1"]
+    assert payload["vllm"] is None and "bench.bench_eagle" in payload["command"]
+    assert (out / "work" / "eagle" / "head" / "model.safetensors").is_file()
+    assert "validation top-1" in (out / "eagle.md").read_text()
+
+
+def test_missing_data_is_exit_2_naming_the_option(tmp_path, capsys):
+    rc = be.main(["--quick", "--no-vllm", "--run-dir", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path)])
+    assert rc == 2
+    assert "--run-dir" in capsys.readouterr().err
+    assert not (tmp_path / "eagle.json").exists()
+
+
+def test_speculate_job_measures_no_spec_then_each_k(tmp_path):
+    args = be.parse_args(["--quick", "--k", "1", "3", "--out-dir", str(tmp_path)])
+    args.eos_token_id = 2
+    job = be.speculate_job("T", "H", [[1, 2, 3]], args.k, args)
+    assert [(c["name"], c["method"], c["k"]) for c in job["configs"]] == [
+        ("no_spec", None, 0),
+        ("eagle", "eagle", 1),
+        ("eagle", "eagle", 3),
+    ]
+    assert all(c["draft"] == "H" for c in job["configs"][1:]) and job["enforce_eager"] is False
+    assert job["repeats"] == 3 and job["max_num_seqs"] == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+def test_head_runs_as_vllm_eagle(tiny_target_dir, tiny_tokenizer, tmp_path):
+    run = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    out = tmp_path / "out"
+    rc = be.main(
+        [
+            "--quick", "--run-dir", str(run), "--target", str(tiny_target_dir), "--steps", "4",
+            "--batch-size", "4", "--dtype", "float32", "--eager", "--k", "2", "--out-dir", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0, (out / "logs" / "eagle.log").read_text()[-3000:]
+    rows = json.loads((out / "eagle.json").read_text())["vllm"]
+    assert [(r["name"], r["k"]) for r in rows] == [("no_spec", 0), ("eagle", 2)]
+    eagle = rows[1]
+    assert (
+        eagle["error"] is None
+        and eagle["num_drafts"] > 0
+        and eagle["num_draft_tokens"] == 2 * eagle["num_drafts"]
+    )
+    assert eagle["speedup"] is not None and len(eagle["per_position_acceptance"]) == 2
