@@ -48,6 +48,7 @@ from bench.common import (
     machine_info,
     markdown_table,
     positive_int,
+    timed_study,
     write_fragment,
 )
 
@@ -498,22 +499,13 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from distill.errors import InputError, RuntimeFailure
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
     machine = machine_info()
-    t0 = time.perf_counter()
-    try:
-        payload = study(args)
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeFailure, FloatingPointError) as exc:
-        print(f"failed: {exc}", file=sys.stderr)
-        return 1
-    payload["wall_s"] = round(time.perf_counter() - t0, 1)
+    payload, rc = timed_study(study, args, failures=(FloatingPointError,))
+    if payload is None:
+        return rc
     write_fragment(
         args.name,
         payload,

@@ -15,7 +15,8 @@ import shlex
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
@@ -232,3 +233,25 @@ def write_fragment(
         print(markdown)
         print(f"\nwrote {json_path} and {md_path}")
     return json_path, md_path
+
+
+def timed_study(
+    study: Callable[[argparse.Namespace], dict[str, Any]],
+    args: argparse.Namespace,
+    failures: tuple[type[Exception], ...] = (),
+) -> tuple[dict[str, Any] | None, int]:
+    """Run a bench's study: (its payload with `wall_s`, 0), or (None, exit code) after one message on stderr —
+    2 for bad input (`InputError`), 1 for a failed run (`RuntimeFailure` or one of `failures`)."""
+    from distill.errors import InputError, RuntimeFailure
+
+    t0 = time.perf_counter()
+    try:
+        payload = study(args)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None, 2
+    except (RuntimeFailure, *failures) as exc:
+        print(f"failed: {exc}", file=sys.stderr)
+        return None, 1
+    payload["wall_s"] = round(time.perf_counter() - t0, 1)
+    return payload, 0
