@@ -445,6 +445,10 @@ def iter_docs(cls: Any = Config, prefix: str = "") -> typing.Iterator[tuple[str,
         )
         tp = describe_type(hints[f.name]) + (f" ({bounds})" if bounds else "")
         yield dotted, tp, _default_repr(f), f.metadata.get("help", "")
+        if get_origin(inner) in (list, typing.List):  # noqa: UP006
+            elem = get_args(inner)[0]
+            if dataclasses.is_dataclass(elem):  # each entry's own keys, e.g. eval.drafts[].method
+                yield from iter_docs(elem, f"{dotted}[]")
 
 
 def docs_markdown(section_name: str | None = None) -> str:

@@ -159,6 +159,13 @@ def test_every_key_is_documented():
         assert tp
 
 
+def test_keys_of_list_entries_are_documented():
+    """eval.drafts entries have keys of their own (name, model, k, method): each has its row."""
+    keys = {key for key, *_ in iter_docs()}
+    assert {f"eval.drafts[].{k}" for k in ("name", "model", "k", "method")} <= keys
+    assert "`eval.drafts[].method` | one of 'draft_model', 'eagle'" in docs_markdown("eval")
+
+
 def test_docs_command(capsys):
     assert main(["docs", "train"]) == 0
     out = capsys.readouterr().out

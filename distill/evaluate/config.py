@@ -20,6 +20,13 @@ class DraftRef:
         "measured beside an autoregressive one at [1]).",
         each_ge=1,
     )
+    method: Literal["draft_model", "eagle"] = opt(
+        "draft_model",
+        "vLLM speculative method for this draft. `draft_model`: a standalone small LM with the target's "
+        "vocabulary (what `distill train` writes). `eagle`: an EAGLE-1 head (fc.weight + decoder layers, "
+        "reading the target's hidden states; it may share the target's embeddings, head and tokenizer), "
+        "measured with engine vllm only and without the analytic estimate.",
+    )
 
 
 @dataclass
@@ -40,7 +47,8 @@ class EvalConfig:
     max_tokens: int = opt(128, "New tokens per prompt (stops early at EOS).", ge=1)
     drafts: list[DraftRef] = opt(
         [DraftRef("base", "${run.dir}/draft_init"), DraftRef("distilled", "${run.dir}/draft")],
-        "Drafts to compare, each {name, model, k}; k is optional (default: eval.k).",
+        "Drafts to compare, each {name, model, k, method}; k (default: eval.k) and method (default: "
+        "draft_model) are optional.",
     )
     k: list[int] = opt([1, 2, 3, 4, 5, 6], "Speculative tokens per step to sweep.", each_ge=1)
     temperatures: list[float] = opt([0.0], "Sampling temperatures to evaluate.", each_ge=0.0)

@@ -14,7 +14,8 @@ Job keys:
     eos_token_id: int — the target tokenizer's EOS id.
     stop_token_ids: list[int] — every id that ends generation (EOS of tokenizer and generation config).
     max_model_len: int — longest prompt + max_tokens + largest k + margin.
-    configs: list of {name: str, method: None | "ngram" | "draft_model", draft: str | None (folder),
+    configs: list of {name: str, method: None | "ngram" | "draft_model" | "eagle", draft: str | None (folder;
+             for "eagle" an EAGLE-1 head on the target's hidden states),
              k: int (0 for no_spec), temperature: float, draft_sample_method: None | "greedy" | "probabilistic",
              parallel_drafting: bool (only on draft_model configs; true for a parallel (PARD) draft: one draft
              forward proposes all k tokens from [next token, mask * (k - 1)], the mask id being the draft
@@ -57,6 +58,7 @@ def build_configs(
     draft_sample_methods: list[str],
     ngram_k: int | None,
     parallel: dict[str, int] | None = None,
+    methods: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every configuration, grouped so configurations sharing an engine are adjacent.
 
@@ -64,10 +66,12 @@ def build_configs(
     at temperature > 0 every method in `draft_sample_methods` is. `draft_ks` maps a draft name to its own k
     list (a draft not in it sweeps `ks`). `parallel` maps a draft name to the K it was trained to propose in
     one pass: such a draft runs with `parallel_drafting` at the k of its sweep that are <= K (at K when none
-    is, see `parallel_ks`); at k = 1 it drafts as an ordinary draft (one token, no masks).
+    is, see `parallel_ks`); at k = 1 it drafts as an ordinary draft (one token, no masks). `methods` maps a
+    draft name to its vLLM method ("draft_model" when absent, or "eagle").
     """
     parallel = parallel or {}
     draft_ks = draft_ks or {}
+    methods = methods or {}
     temps = sorted(set(temperatures))
     out: list[dict[str, Any]] = []
 
@@ -95,14 +99,15 @@ def build_configs(
         add(NGRAM, "ngram", None, ngram_k, None, temps)
     hot = [t for t in temps if t > 0]
     for name, path in drafts:
+        method = methods.get(name, "draft_model")
         for k in parallel_ks(draft_ks.get(name) or ks, parallel.get(name, 0)):
             for dsm in draft_sample_methods:
                 ts = ([t for t in temps if t == 0] if dsm == "greedy" else []) + hot
                 if dsm != "greedy" and not hot:
                     continue
-                add(name, "draft_model", path, k, dsm, ts)
+                add(name, method, path, k, dsm, ts)
             if "greedy" not in draft_sample_methods and 0.0 in temps:
-                add(name, "draft_model", path, k, "greedy", [0.0])
+                add(name, method, path, k, "greedy", [0.0])
     return out
 
 

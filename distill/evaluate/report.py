@@ -288,7 +288,7 @@ def speculative_config(row: dict[str, Any]) -> dict[str, Any] | None:
     if row.get("method") is None:
         return None
     spec: dict[str, Any] = {"method": row["method"], "num_speculative_tokens": int(row["k"])}
-    if row["method"] == "draft_model":
+    if row["method"] != "ngram":  # draft_model or eagle: a folder, drafting greedily or by sampling
         spec["model"] = row.get("draft")
         spec["draft_sample_method"] = row.get("draft_sample_method") or "greedy"
         if row.get("parallel_drafting"):

@@ -43,6 +43,7 @@ class Plan:
     max_model_len: int
     notes: list[str] = field(default_factory=list)
     parallel: dict[str, int] = field(default_factory=dict)  # draft name -> K of a parallel (PARD) draft
+    methods: dict[str, str] = field(default_factory=dict)  # draft name -> vLLM method (draft_model, eagle)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -98,20 +99,41 @@ def resolve_drafts(
                 "'eval.drafts=[{name: a, model: path/to/draft}]'."
             )
         folder = resolve_model(d.model, key=key)
-        try:
-            with remote_code_refused("draft", folder):
-                tok = load_tokenizer(folder, trust_remote_code=cfg.draft.trust_remote_code)
-        except InputError:
-            raise
-        except Exception as exc:
-            raise InputError(f"{key}: cannot load a tokenizer from {folder} ({exc}).") from exc
-        vocab = check_same_vocab(
-            target_tok, tok, target_name=str(cfg.target.model), draft_name=str(d.model), key=key
+        shapes = draftcheck.tensor_shapes(
+            draftcheck.weight_files(folder, key=key, name=d.name), key=key, name=d.name
         )
+        if d.method == "draft_model" and draftcheck.is_eagle_head(shapes):
+            raise InputError(
+                f"{key}: draft '{d.name}' holds an EAGLE head ({draftcheck.EAGLE_FC}), not a standalone draft "
+                f"model; measure it with eval.drafts[{i}].method=eagle."
+            )
+        if d.method == "eagle" and not has_tokenizer(folder):
+            vocab = len(
+                target_tok.get_vocab()
+            )  # an EAGLE head drafts with the target's tokenizer (vLLM shares it)
+        else:
+            try:
+                with remote_code_refused("draft", folder):
+                    tok = load_tokenizer(folder, trust_remote_code=cfg.draft.trust_remote_code)
+            except InputError:
+                raise
+            except Exception as exc:
+                raise InputError(f"{key}: cannot load a tokenizer from {folder} ({exc}).") from exc
+            vocab = check_same_vocab(
+                target_tok, tok, target_name=str(cfg.target.model), draft_name=str(d.model), key=key
+            )
         folders[d.name] = folder
         configs[d.name] = _draft_config(cfg, folder, key)
-        check_draft_folder(cfg, i, folder, configs[d.name], target_config, vocab)
+        check_draft_folder(cfg, i, shapes, configs[d.name], target_config, vocab)
     return folders, configs
+
+
+# Files any of which means a folder ships its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in TOKENIZER_FILES)
 
 
 def _draft_config(cfg: Config, folder: Path, key: str) -> Any:
@@ -127,15 +149,19 @@ def _draft_config(cfg: Config, folder: Path, key: str) -> Any:
 
 
 def check_draft_folder(
-    cfg: Config, i: int, folder: Path, config: Any, target_config: Any, vocab_len: int
+    cfg: Config, i: int, shapes: dict[str, list[int]], config: Any, target_config: Any, vocab_len: int
 ) -> None:
-    """Weights present and readable, embedding table the target's size: checked from the safetensors headers,
-    so a broken draft stops here (exit 2, nothing written) instead of failing inside the engine."""
+    """Embedding table the target's size, checked from the safetensors headers (`shapes`, read by
+    `draftcheck.tensor_shapes`, which also checks the weights are there and readable), so a broken draft stops
+    here (exit 2, nothing written) instead of failing inside the engine. An EAGLE-1 head (`method: eagle`)
+    must also be complete for this target."""
     key, name = f"eval.drafts[{i}].model", cfg.eval.drafts[i].name
-    rows = draftcheck.vocab_rows(draftcheck.weight_files(folder, key=key, name=name), key=key, name=name)
+    target = str(cfg.target.model)
     draftcheck.check_vocab_rows(
-        config, target_config, rows, vocab_len, key=key, name=name, target=str(cfg.target.model)
+        config, target_config, draftcheck.embedding_rows(shapes), vocab_len, key=key, name=name, target=target
     )
+    if cfg.eval.drafts[i].method == "eagle":
+        draftcheck.check_eagle_head(config, target_config, shapes, key=key, name=name, target=target)
 
 
 def draft_ks(cfg: Config) -> dict[str, list[int]]:
@@ -154,6 +180,8 @@ def parallel_drafts(cfg: Config, configs: dict[str, Any]) -> tuple[dict[str, int
     found, notes = {}, []
     sweeps = draft_ks(cfg)
     for i, d in enumerate(cfg.eval.drafts):
+        if d.method != "draft_model":
+            continue  # parallel drafting is a property of standalone drafts
         config = configs[d.name]
         mask = getattr(config, "pard_token", None)
         big_k = parallel_tokens_of(config)
@@ -309,6 +337,7 @@ def preflight(cfg: Config) -> Plan:
     from distill.models.resolve import require_weights, resolve_model
 
     engine, notes = choose_engine(cfg)
+    refuse_eagle_without_vllm(cfg, engine, notes)
     target_dir = resolve_model(cfg.target.model, key="target.model", revision=cfg.target.revision)
     require_weights(target_dir, key="target.model")
     tc = cfg.target.trust_remote_code
@@ -361,9 +390,33 @@ def preflight(cfg: Config) -> Plan:
         prompt_source=source,
         skipped_prompts=skipped,
         max_model_len=max_model_len,
-        notes=notes + parallel_notes,
+        notes=notes + parallel_notes + eagle_notes(cfg),
         parallel=parallel,
+        methods={d.name: d.method for d in cfg.eval.drafts},
     )
+
+
+def eagle_notes(cfg: Config) -> list[str]:
+    return [
+        f"draft '{d.name}' is an EAGLE head (method eagle): measured inside vLLM, with no analytic estimate "
+        "(its cost ratio and acceptance need the target's hidden states)."
+        for d in cfg.eval.drafts
+        if d.method == "eagle"
+    ]
+
+
+def refuse_eagle_without_vllm(cfg: Config, engine: str, notes: list[str]) -> None:
+    """EAGLE heads run inside vLLM only: the reference engine drafts with standalone models."""
+    if engine != "hf":
+        return
+    for i, d in enumerate(cfg.eval.drafts):
+        if d.method == "eagle":
+            why = " (vLLM is not installed)" if notes else ""
+            raise InputError(
+                f"eval.drafts[{i}].method: draft '{d.name}' is an EAGLE head, which only vLLM runs, but this eval "
+                f"uses the reference engine{why}, which measures method draft_model only. Set eval.engine=vllm "
+                "(with `distill[cpu]` or `distill[gpu]` installed) or leave the head out of eval.drafts."
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -391,6 +444,7 @@ def build_job(cfg: Config, plan: Plan, partial_path: Path | None) -> dict[str, A
             draft_sample_methods=list(e.draft_sample_methods),
             ngram_k=ngram_k,
             parallel=plan.parallel,
+            methods=plan.methods,
         ),
         "repeats": e.repeats,
         "seed": cfg.run.seed,
@@ -494,13 +548,15 @@ def _analytic(cfg: Config, plan: Plan, rows: list[dict[str, Any]]) -> dict[str, 
         from distill.evaluate import analytic
     except ImportError as exc:
         return {"available": False, "note": f"distill.evaluate.analytic unavailable ({exc})"}
+    # A standalone draft's decode step can be timed alone; an EAGLE head's needs the target's hidden states.
+    standalone = {n: f for n, f in plan.drafts.items() if plan.methods.get(n, "draft_model") == "draft_model"}
     if cfg.eval.cost_ratio is not None:
-        ratios = {name: float(cfg.eval.cost_ratio) for name in plan.drafts}
+        ratios = {name: float(cfg.eval.cost_ratio) for name in standalone}
         how = "eval.cost_ratio (configured)"
     else:
         ratios = {
             name: float(analytic.measure_cost_ratio(plan.target_dir, folder, dtype=plan.dtype))
-            for name, folder in plan.drafts.items()
+            for name, folder in standalone.items()
         }
         how = "measured: PyTorch KV-cached decode step time, draft / target, batch 1"
     report.add_analytic(rows, analytic.expected_speedup, ratios)
