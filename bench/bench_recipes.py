@@ -14,7 +14,8 @@ from vLLM's generation), created under `bench/out/work/recipes/data` when missin
 length E[k] the draft would reach per k, plus the wall time of the stage. Every recipe trains from step 0
 (`train.resume=never`); a failed training (exit not 0) shows its exit code and no figures. Written to
 `bench/out/recipes.{json,md}` (`recipes-<data run>.*` with --data-run, `recipes-quick*` with --quick), merged with
-the saved rows of other recipes of the same study: same config file (path and contents), steps and data.
+the saved rows of other recipes of the same study: same config file (path and contents), steps and data. A
+saved table of another study is kept beside it as `<name>.<config sha>-<steps>steps.{json,md}`.
 """
 
 from __future__ import annotations
@@ -289,6 +290,22 @@ def merge_with_saved(
     return sorted(merged, key=lambda r: order.get(r["recipe"], len(order)))
 
 
+def set_aside_other_study(saved_path: Path, study: dict[str, Any]) -> list[Path]:
+    """Move a saved table of another study (other config contents, steps or data) out of the way, to
+    `<name>.<config sha>-<steps>steps.{json,md}`, instead of letting this invocation's table replace it."""
+    saved = read_saved(saved_path)
+    if saved is None or same_study(saved, study):
+        return []
+    tag = f"{str(saved.get('config_sha256') or 'unkeyed')[:12]}-{saved.get('steps')}steps"
+    moved = []
+    for old in (saved_path, saved_path.with_suffix(".md")):
+        if old.is_file():
+            new = old.with_name(f"{saved_path.stem}.{tag}{old.suffix}")
+            old.replace(new)
+            moved.append(new)
+    return moved
+
+
 def overrides_cell(row: dict[str, Any]) -> str:
     cell = " ".join(f"`{o}`" for o in row["overrides"])
     data = row.get("data_overrides") or []
@@ -472,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(problem)
     rows = []
     if not args.table_only:
+        for kept in set_aside_other_study(saved_path, study):
+            print(f"{saved_path.name} held another study's rows: kept as {kept}", file=sys.stderr)
         if args.data_run is None:
             ensure_data(args.config, data_dir, args.train_prompts)
         try:

@@ -382,6 +382,28 @@ def test_table_only_without_rows_of_the_study_is_refused(tmp_path: Path, monkeyp
     assert (out / "recipes-demo.md").read_text() == before
 
 
+def test_a_study_under_other_steps_keeps_the_saved_table_beside_its_own(tmp_path: Path, monkeypatch, capsys):
+    """Another study's table is set aside under its config hash and steps, not overwritten."""
+    monkeypatch.setattr(bench_recipes.subprocess, "run", fake_distill([], no_check))
+    out = tmp_path / "out"
+    args = ["--recipes", "pard4-lr4e-3", "--data-run", str(demo_run(tmp_path)), "--out-dir", str(out)]
+    assert bench_recipes.main(args) == 0
+    first = json.loads((out / "recipes-demo.json").read_text())
+    first_md = (out / "recipes-demo.md").read_text()
+    assert bench_recipes.main([*args, "--steps", "600"]) == 0
+    assert json.loads((out / "recipes-demo.json").read_text())["steps"] == 600
+    tag = f"{first['config_sha256'][:12]}-300steps"
+    assert json.loads((out / f"recipes-demo.{tag}.json").read_text()) == first
+    assert (out / f"recipes-demo.{tag}.md").read_text() == first_md
+    assert f"kept as {out / f'recipes-demo.{tag}.json'}" in capsys.readouterr().err
+    # the same study again merges into its table and sets nothing aside
+    assert bench_recipes.main([*args, "--steps", "600"]) == 0
+    assert sorted(p.name for p in out.glob("recipes-demo*.json")) == [
+        f"recipes-demo.{tag}.json",
+        "recipes-demo.json",
+    ]
+
+
 @pytest.mark.parametrize("option", [["--steps", "0"], ["--train-prompts", "-5"], ["--steps", "3x"]])
 def test_counts_must_be_positive_whole_numbers(option: list[str]):
     with pytest.raises(SystemExit) as exit_info:
