@@ -3,9 +3,11 @@
 For each candidate draft (truncations of the target to `--layers` layers, plus any `--draft NAME=FOLDER`):
 - `c_hf`: draft / target KV-cached decode step time in PyTorch, batch 1 (`analytic.measure_cost_ratio`);
 - `c_vllm`: seconds per generated token of the candidate run ALONE in vLLM (plain decoding, batch 1), divided
-  by the same for the target; every model runs in the product's vLLM worker, one after another in this run
-  (the target first, then the candidates: not alternated), on the same prompts, median of `--repeats` timed
-  passes each; a pass that stops at EOS before `--timing-tokens` per prompt is flagged (‡), not hidden;
+  by the same for the target; every model runs in the product's vLLM worker, one after another in this run,
+  on the same prompts, median of `--repeats` timed passes each. The target is timed first and again last, so
+  the candidates run between its two timings: c_vllm divides by the mean of its two medians, and the table
+  shows how far the machine drifted between them. A pass that stops at EOS before `--timing-tokens` per prompt
+  is flagged (‡), not hidden;
 - `alpha_hat`: acceptance at T=0 (top-1 agreement on the target's greedy continuations of held-out ShareGPT
   `test` prompts, `analytic.estimate_acceptance`);
 - the expected speedup for k = 1..6 (`analytic.expected_speedup` with c_vllm, or c_hf where vLLM failed), the
@@ -156,10 +158,16 @@ HEADER = [
 ]
 
 
-def timing_table(rows: Sequence[dict[str, Any]], target_vllm: dict[str, Any] | None) -> str:
-    """vLLM ms per generated token of each model alone: median [min–max] over the timed passes."""
+def timing_table(
+    rows: Sequence[dict[str, Any]],
+    target_vllm: dict[str, Any] | None,
+    target_after: dict[str, Any] | None = None,
+) -> str:
+    """vLLM ms per generated token of each model alone: median [min–max] over the timed passes, in the order
+    they ran (the target first and, when timed again, last)."""
     body = []
-    for name, t in [("target", target_vllm)] + [(r["name"], r.get("vllm")) for r in rows]:
+    timed = [("target", target_vllm), *((r["name"], r.get("vllm")) for r in rows)]
+    for name, t in [*timed, ("target (again, last)", target_after)]:
         if not t:
             continue
         if t.get("error"):
@@ -183,7 +191,10 @@ def timing_table(rows: Sequence[dict[str, Any]], target_vllm: dict[str, Any] | N
 
 
 def render_markdown(
-    rows: Sequence[dict[str, Any]], settings: dict[str, Any], target_vllm: dict[str, Any] | None = None
+    rows: Sequence[dict[str, Any]],
+    settings: dict[str, Any],
+    target_vllm: dict[str, Any] | None = None,
+    target_after: dict[str, Any] | None = None,
 ) -> str:
     """The study as a markdown fragment: the summary table, expected speedup per k, the vLLM timings."""
     body = []
@@ -194,7 +205,9 @@ def render_markdown(
             else f"{r['alpha_needed']:.3f} (k={r['alpha_needed_k']})"
         )
         c_mark = "" if r["c_source"] == "vllm" else " †"
-        short = r["c_vllm"] is not None and (is_short(r.get("vllm")) or is_short(target_vllm))
+        short = r["c_vllm"] is not None and (
+            is_short(r.get("vllm")) or is_short(target_vllm) or is_short(target_after)
+        )
         body.append(
             [
                 r["name"],
@@ -215,11 +228,18 @@ def render_markdown(
         f"{settings['alpha_tokens']} tokens each).",
         f"c_vllm = vLLM seconds per generated token of the candidate alone / of the target (batch 1, "
         f"{settings['timing_prompts']} prompts × ≤{settings['timing_tokens']} tokens, median of "
-        f"{settings['repeats']} passes); c_hf = PyTorch KV-cached decode step ratio.",
+        f"{settings['repeats']} passes; the target's figure is the mean of its medians timed first and last, "
+        "the candidates ran in between); c_hf = PyTorch KV-cached decode step ratio.",
         "Expected speedup = (1 − α^(k+1)) / ((1 − α)(1 + k·c)) with c = c_vllm († = c_hf: vLLM timing "
         "missing for that candidate).",
     ]
-    if is_short(target_vllm) or any(is_short(r.get("vllm")) for r in rows):
+    drift = target_drift_pct(target_vllm, target_after)
+    if drift is not None:
+        notes.append(
+            f"The target decoded {abs(drift):.1f}% {'slower' if drift >= 0 else 'faster'} when timed last than "
+            "first: the machine's drift over the run, within which each candidate's c_vllm is uncertain."
+        )
+    if is_short(target_vllm) or is_short(target_after) or any(is_short(r.get("vllm")) for r in rows):
         notes.append(SHORT_NOTE)
     return "\n\n".join(
         [
@@ -231,7 +251,7 @@ def render_markdown(
         ]
         + (
             [f"vLLM timing (batch 1, plain decoding):\n\n{timing}"]
-            if (timing := timing_table(rows, target_vllm))
+            if (timing := timing_table(rows, target_vllm, target_after))
             else []
         )
     )
@@ -465,10 +485,23 @@ def measure_vllm_one(
     }
 
 
-def c_vllm_of(cand: dict[str, Any], target: dict[str, Any]) -> float | None:
-    if cand.get("error") or target.get("error"):
+def target_seconds(*timings: dict[str, Any] | None) -> float | None:
+    """The target's vLLM seconds per token that the candidates are divided by: the mean of the medians of its
+    timings that worked (first and last: the candidates ran in between), None when none did."""
+    medians = [float(t["s_per_token"]["median"]) for t in timings if t and not t.get("error")]
+    return sum(medians) / len(medians) if medians else None
+
+
+def target_drift_pct(first: dict[str, Any] | None, last: dict[str, Any] | None) -> float | None:
+    """How much slower (+) or faster (−) the target decoded at the end of the run than at its start."""
+    a, b = target_seconds(first), target_seconds(last)
+    return None if a is None or b is None else round(100.0 * (b / a - 1.0), 1)
+
+
+def c_vllm_of(cand: dict[str, Any], target_s: float | None) -> float | None:
+    if cand.get("error") or target_s is None:
         return None
-    return float(cand["s_per_token"]["median"] / target["s_per_token"]["median"])
+    return float(cand["s_per_token"]["median"] / target_s)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -532,10 +565,12 @@ def assemble_rows(
     cands: Sequence[Candidate], hf: dict[str, dict[str, Any]], vllm: dict[str, dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """One row per candidate: its description, HF figures, c_vllm (None without a vLLM timing of both the
-    candidate and the target) and the plan from the c used (c_vllm, else c_hf)."""
+    candidate and the target: `vllm["target"]`, and `vllm["target_after"]` when it was timed again last) and
+    the plan from the c used (c_vllm, else c_hf)."""
+    target_s = target_seconds(vllm.get("target"), vllm.get("target_after"))
     rows = []
     for c in cands:
-        c_vllm = c_vllm_of(vllm[c.name], vllm["target"]) if c.name in vllm and "target" in vllm else None
+        c_vllm = c_vllm_of(vllm[c.name], target_s) if c.name in vllm else None
         c_used = c_vllm if c_vllm is not None else hf[c.name]["c_hf"]
         row = {
             **asdict(c),
@@ -585,7 +620,9 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     vllm: dict[str, dict[str, Any]] = {}
     if not args.no_vllm:
         logs = args.out_dir / "logs" / args.name
-        for name, folder in [("target", str(target_dir))] + [(c.name, c.folder) for c in cands]:
+        # The target first and again last: the candidates' costs are taken against both (drift shown).
+        order = [("target", str(target_dir)), *((c.name, c.folder) for c in cands)]
+        for name, folder in [*order, ("target_after", str(target_dir))]:
             log.info("vLLM timing: %s", name)
             vllm[name] = measure_vllm_one(name, folder, timing_prompts, args, logs)
 
@@ -605,7 +642,13 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
         "vllm_timing": not args.no_vllm,
         "target_speedup": TARGET_SPEEDUP,
     }
-    return {"settings": settings, "target_vllm": vllm.get("target"), "candidates": rows}
+    return {
+        "settings": settings,
+        "target_vllm": vllm.get("target"),
+        "target_vllm_after": vllm.get("target_after"),
+        "target_drift_pct": target_drift_pct(vllm.get("target"), vllm.get("target_after")),
+        "candidates": rows,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -616,7 +659,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload, rc = timed_study(study, args)
     if payload is None:
         return rc
-    md = render_markdown(payload["candidates"], payload["settings"], payload["target_vllm"])
+    md = render_markdown(
+        payload["candidates"], payload["settings"], payload["target_vllm"], payload["target_vllm_after"]
+    )
     write_fragment(
         args.name,
         payload,

@@ -117,9 +117,25 @@ def test_passes_that_stop_short_are_flagged(tmp_path, monkeypatch):
 def test_c_vllm_of_needs_both_timings():
     ok = {"s_per_token": {"median": 0.01}, "error": None}
     cand = {"s_per_token": {"median": 0.002}, "error": None}
-    assert bd.c_vllm_of(cand, ok) == pytest.approx(0.2)
-    assert bd.c_vllm_of({"error": "boom"}, ok) is None
-    assert bd.c_vllm_of(cand, {"error": "boom"}) is None
+    assert bd.c_vllm_of(cand, bd.target_seconds(ok)) == pytest.approx(0.2)
+    assert bd.c_vllm_of({"error": "boom"}, bd.target_seconds(ok)) is None
+    assert bd.c_vllm_of(cand, bd.target_seconds({"error": "boom"})) is None
+
+
+def test_target_timed_first_and_last_brackets_the_candidates():
+    first = {"s_per_token": {"median": 0.010}, "error": None}
+    last = {"s_per_token": {"median": 0.012}, "error": None}
+    assert bd.target_seconds(first, last) == pytest.approx(0.011)
+    assert bd.target_seconds(first, {"error": "boom"}) == pytest.approx(0.010)  # the one that worked
+    assert bd.target_seconds(None, last) == pytest.approx(0.012)
+    assert bd.target_drift_pct(first, last) == pytest.approx(20.0)
+    assert bd.target_drift_pct(last, first) == pytest.approx(-16.7)
+    assert bd.target_drift_pct(first, None) is None
+    cands = [bd.Candidate("a", "/a", "truncate", 1, 10, 8, True)]
+    hf = {"a": {"c_hf": 0.3, "alpha_hat": 0.8}}
+    vllm = {"target": first, "a": {"s_per_token": {"median": 0.0022}, "error": None}, "target_after": last}
+    (row,) = bd.assemble_rows(cands, hf, vllm)
+    assert row["c_vllm"] == pytest.approx(0.2)  # 2.2 ms / the mean of 10 and 12 ms
 
 
 def test_assemble_rows_prefers_vllm_cost():
@@ -199,6 +215,11 @@ def test_timing_table_lists_target_candidates_and_failures():
     assert lines[2].startswith("| target | 11.00 | 10.00–12.00 |") and lines[2].endswith("| 60 |")
     assert lines[3].startswith("| a | 11.00 |") and "| b | failed |" in table and "b.log" in table
     assert bd.timing_table([_row("c", None)], None) == ""
+    slower = {**ok, "s_per_token": common.spread([0.0121, 0.0121, 0.0121])}
+    again = bd.timing_table(rows, ok, slower).splitlines()
+    assert again[-1].startswith("| target (again, last) | 12.10 |")
+    md = bd.render_markdown(rows, SETTINGS, ok, slower)
+    assert "The target decoded 10.0% slower when timed last than first" in md
     assert "vLLM timing (batch 1" in bd.render_markdown(rows, SETTINGS, ok)
     assert "vLLM timing (batch 1" not in bd.render_markdown([_row("c", None)], SETTINGS, None)
 
@@ -366,6 +387,8 @@ def test_quick_run_with_vllm(tmp_path):
         data["target_vllm"]["s_per_token"]["n"] == 3
         and min(data["target_vllm"]["output_tokens_per_pass"]) > 0
     )
+    # timed again last: the candidates ran between the target's two timings
+    assert data["target_vllm_after"]["error"] is None and isinstance(data["target_drift_pct"], float)
 
 
 def test_run_all_full_runs_give_each_variant_its_own_out_file(tmp_path):
