@@ -43,3 +43,24 @@ def test_a_private_umask_is_respected(tmp_path):
         os.umask(old)
     assert _mode(tmp_path / "secret.json") == 0o600
     assert _mode(tmp_path / "private") == 0o700
+
+
+def test_private_files_written_into_an_atomic_folder_are_widened(tmp_path, umask_022):
+    """transformers' save_pretrained leaves model.safetensors at 0600; the finished folder's files get 0644
+    (executable bits kept), so another user can load the draft."""
+    with atomic_dir(tmp_path / "draft") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"x")
+        os.chmod(tmp / "model.safetensors", 0o600)
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "run.sh").write_bytes(b"#!/bin/sh\n")
+        os.chmod(tmp / "sub" / "run.sh", 0o700)
+    assert _mode(tmp_path / "draft" / "model.safetensors") == 0o644
+    assert _mode(tmp_path / "draft" / "sub" / "run.sh") == 0o744  # 0700 | 0644: still executable
+
+
+def test_a_saved_draft_folder_is_readable_by_others(tmp_path, umask_022, tiny_llama, tiny_tokenizer):
+    from distill.models.draft import save_hf_folder
+
+    out = save_hf_folder(tiny_llama, tiny_tokenizer, tmp_path / "draft")
+    assert {p.name: _mode(p) for p in out.iterdir()}["model.safetensors"] == 0o644
+    assert all(_mode(p) & 0o044 == 0o044 for p in out.iterdir())

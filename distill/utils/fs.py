@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,7 @@ def atomic_dir(final: str | os.PathLike[str], *, replace: bool = False) -> Itera
     try:
         tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700, widened as for atomic_write_bytes
         yield tmp
+        _widen_private_files(tmp)
         _fsync_tree(tmp)
         if final.exists():
             if not replace:
@@ -119,6 +121,20 @@ def atomic_dir(final: str | os.PathLike[str], *, replace: bool = False) -> Itera
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _widen_private_files(root: Path) -> None:
+    """Give every file the permissions a plain open() would: some writers (transformers' save_pretrained
+    writes model.safetensors through a private temporary file) leave 0600 files, which a server or CI job
+    running as another user cannot read."""
+    wanted = 0o666 & ~_umask()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                mode = os.lstat(path).st_mode
+                if stat.S_ISREG(mode) and (mode | wanted) != mode:
+                    os.chmod(path, stat.S_IMODE(mode) | wanted)
 
 
 def _fsync_tree(root: Path) -> None:
