@@ -541,3 +541,20 @@ def test_bad_jobs_name_the_problem(tiny_target_dir, tiny_draft_dir, tmp_path, pr
     assert "configs[base].k" in msg and "draft_sample_method" in msg and "configs[self].draft" in msg
     with pytest.raises(InputError, match="prompts"):
         R.run_reference_job({**job, "prompts": [], "configs": job["configs"][:1]})
+
+
+def test_rounds_run_every_configuration_in_turn_and_pool_the_passes(
+    tiny_target_dir, tiny_draft_dir, prompts, tmp_path
+):
+    job = _job(tiny_target_dir, tiny_draft_dir, prompts[:2], repeats=1, rounds=2)
+    job["configs"] = job["configs"][:2]
+    out = R.run_reference_job(job)
+    no_spec, base = out["results"]
+    for r in (no_spec, base):
+        assert r["error"] is None and len(r["wall_s"]) == 2 and r["round_of_pass"] == [0, 1]
+        assert len(r["startup_s_per_round"]) == 2
+    one = R.run_reference_job(dict(job, rounds=1))["results"][1]
+    # counters summed over the rounds: twice one round's (T=0, same prompts: identical passes)
+    assert base["num_drafts"] == 2 * one["num_drafts"] > 0
+    assert base["accepted_per_pos"] == [2 * a for a in one["accepted_per_pos"]]
+    assert base["texts"] == one["texts"]

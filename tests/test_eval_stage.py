@@ -775,3 +775,37 @@ def test_reference_engine_records_machine_load(tiny_target_dir):
     assert reference.foreign_share((0, 0), after, 0.05) is None
     busy = {**row, "foreign_cpu": [0.5, 0.6]}
     assert "used up to 60%" in load_warnings({"engine": "hf"}, [busy])[0]
+
+
+def test_rounds_reach_the_worker_and_the_report_shows_each_rounds_speedup(cfg_args, monkeypatch):
+    """eval.rounds=2: the job asks for two rounds; the report's speedup pools the passes, and each round's
+    own speedup (against that round's no_spec) is in report.json and report.md."""
+    from distill.evaluate import jobs as eval_jobs
+
+    calls = []
+
+    def run_worker(job, *, log_path, timeout_s, env=None, what="", poll=None):
+        calls.append(job)
+        first = fake_results(job)
+        # a slow spell in round 2 hits the good draft only: 1.5 s per pass instead of 0.5
+        second = [{**r, "wall_s": [1.5 if r["name"] == "good" else 1.0] * job["repeats"]} for r in first]
+        return {
+            "engine": "vllm",
+            "device": "cpu",
+            "complete": True,
+            "results": eval_jobs.pool_rounds([first, second]),
+            "plugin": {"patched": True},
+        }
+
+    monkeypatch.setattr("distill.utils.subproc.run_worker", run_worker)
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    assert main(["eval", *cfg_args, "eval.rounds=2", "eval.ngram=false", "eval.k=[2]"]) == 0
+    assert calls[0]["rounds"] == 2
+    out = run_dir(cfg_args) / "eval"
+    rep = json.loads((out / "report.json").read_text())
+    row = next(r for r in rep["results"] if r["name"] == "good")
+    assert row["speedup_per_round"] == [pytest.approx(2.0), pytest.approx(2 / 3)]
+    assert row["round_of_pass"] == [0, 0, 1, 1] and rep["settings"]["rounds"] == 2
+    md = (out / "report.md").read_text()
+    assert "in each of 2 rounds over all configurations in turn" in md
+    assert "- good k=2: 2.00, 0.67" in md

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distill.evaluate import jobs
 from distill.vllm_worker import speculate
 
 
@@ -164,3 +165,68 @@ def test_engine_start_failure_becomes_per_config_errors(monkeypatch):
     out = speculate.run_group(cfgs, JOB)
     assert len(out) == 2 and all("no memory" in r["error"] for r in out)
     assert all(r["wall_s"] == [] for r in out)
+
+
+def _res(name, k, walls, drafts, per_pos, error=None, text="a"):
+    return {
+        "name": name,
+        "method": "draft_model" if k else None,
+        "draft": "/d" if k else None,
+        "k": k,
+        "temperature": 0.0,
+        "draft_sample_method": "greedy" if k else None,
+        "parallel_drafting": False,
+        "startup_s": 10.0,
+        "wall_s": walls,
+        "load_avg": [1.0] * len(walls),
+        "foreign_cpu": [0.0] * len(walls),
+        "output_tokens": 100,
+        "output_tokens_per_pass": [100] * len(walls),
+        "num_drafts": drafts,
+        "num_draft_tokens": drafts * k,
+        "num_accepted_tokens": sum(per_pos),
+        "accepted_per_pos": per_pos,
+        "texts": [text],
+        "token_ids": [[1]],
+        "error": error,
+    }
+
+
+def test_pool_rounds_concatenates_passes_and_sums_counters():
+    first = [_res("no_spec", 0, [1.0, 1.1], 0, []), _res("d", 2, [0.8, 0.9], 10, [6, 2])]
+    # the second round lists them in another order, one config failed there
+    second = [_res("d", 2, [1.2], 5, [3, 1], text="b"), _res("no_spec", 0, [1.3], 0, [], error="boom")]
+    no_spec, d = jobs.pool_rounds([first, second])
+    assert d["wall_s"] == [0.8, 0.9, 1.2] and d["round_of_pass"] == [0, 0, 1]
+    assert d["output_tokens_per_pass"] == [100, 100, 100] and d["load_avg"] == [1.0, 1.0, 1.0]
+    assert (d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]) == (15, 30, 12)
+    assert d["accepted_per_pos"] == [9, 3] and d["texts"] == ["a"] and d["error"] is None
+    assert d["startup_s_per_round"] == [10.0, 10.0]
+    assert no_spec["wall_s"] == [1.0, 1.1, 1.3] and no_spec["error"] == "round 2: boom"
+    assert jobs.pool_rounds([first]) == first  # one round: as measured
+
+
+def test_run_job_alternates_engines_over_rounds(monkeypatch, tmp_path):
+    import json
+
+    order = []
+
+    def run_group(group, job):
+        order.append(group[0]["name"])
+        partial = json.loads((tmp_path / "partial.json").read_text())
+        assert partial["complete"] is False
+        return [_res(c["name"], c["k"], [1.0], 1 if c["k"] else 0, [1] * c["k"]) for c in group]
+
+    monkeypatch.setattr(speculate, "run_group", run_group)
+    monkeypatch.setattr(speculate, "environment", lambda job: {"engine": "vllm"})
+    configs = [
+        {"name": "no_spec", "method": None, "draft": None, "k": 0, "temperature": 0.0, "draft_sample_method": None},
+        {"name": "d", "method": "draft_model", "draft": "/d", "k": 2, "temperature": 0.0, "draft_sample_method": "greedy"},
+    ]  # fmt: skip
+    out = speculate.run_job(
+        {**JOB, "configs": configs, "rounds": 2, "partial_path": str(tmp_path / "partial.json")}
+    )
+    assert order == ["no_spec", "d", "no_spec", "d"]
+    assert out["complete"] is True and out["measured"] == 4 and "last" not in out
+    assert [r["round_of_pass"] for r in out["results"]] == [[0, 1], [0, 1]]
+    assert out["results"][1]["num_drafts"] == 2

@@ -89,6 +89,29 @@ def test_eval_progress_reads_the_partial_results(tmp_path, caplog):
     ]
 
 
+def test_eval_progress_counts_every_rounds_measurements(tmp_path, caplog):
+    """With eval.rounds > 1 the pooled rows stop growing after round 1: progress follows `measured` and names
+    the configuration measured last."""
+    import json
+
+    from distill.evaluate.stage import PartialWatcher
+
+    caplog.set_level(logging.INFO, logger="distill.progress")
+    partial = tmp_path / "partial.json"
+    rows = [{"name": "no_spec", "k": 0, "temperature": 0.0}, {"name": "d", "k": 2, "temperature": 0.0}]
+    with LoggedProgress(every_s=0) as bar:
+        watch = PartialWatcher(partial, bar, total=4)
+        partial.write_text(json.dumps({"results": rows, "measured": 2, "last": rows[1]}))
+        watch()
+        partial.write_text(json.dumps({"results": rows, "measured": 3, "last": rows[0]}))
+        watch()
+    lines = [r.getMessage() for r in caplog.records]
+    assert [ln.split(", elapsed")[0] for ln in lines] == [
+        "eval (vllm): 2/4 (50%), d k=2 T=0.0",
+        "eval (vllm): 3/4 (75%), no_spec T=0.0",
+    ]
+
+
 def test_worker_poll_runs_while_waiting(tmp_path):
     import sys
 

@@ -53,6 +53,13 @@ class EvalConfig:
     k: list[int] = opt([1, 2, 3, 4, 5, 6], "Speculative tokens per step to sweep.", each_ge=1)
     temperatures: list[float] = opt([0.0], "Sampling temperatures to evaluate.", each_ge=0.0)
     repeats: int = opt(3, "Timed repeats per configuration (median reported).", ge=1)
+    rounds: int = opt(
+        1,
+        "Sweeps over all configurations in turn (A B C, A B C, ...); each configuration's repeats are pooled over "
+        "the rounds (median of repeats x rounds passes) and the report adds its speedup per round. On a shared, "
+        "drifting machine 2 keeps one slow spell from deciding a ratio; every round starts each vLLM engine again.",
+        ge=1,
+    )
     dtype: Literal["float32", "bfloat16", "float16"] | None = opt(
         None, "Precision of target and drafts in eval; null = target.dtype. Greedy equality holds in float32."
     )

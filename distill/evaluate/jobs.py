@@ -21,6 +21,9 @@ Job keys:
              forward proposes all k tokens from [next token, mask * (k - 1)], the mask id being the draft
              config's `pard_token`; vLLM's `speculative_config.parallel_drafting`)}
     repeats: int — timed passes over all prompts (after one warm-up pass).
+    rounds: int (default 1) — sweeps over all configurations, one after another (A B C, A B C): each
+        configuration's passes and counters are pooled over the rounds (`pool_rounds`), so a slow spell of a
+        shared machine that hits one configuration in one round moves the ratios less.
     seed: int — prompt i is sampled with seed + i (same work in every repeat and configuration).
     rejection_sample_method: "standard" | "block"
     ngram_prompt_lookup_min, ngram_prompt_lookup_max: int
@@ -39,10 +42,14 @@ Result: {"results": [per-config dict], "complete": bool, "engine": str, "engine_
      output_tokens_per_pass: [int], num_drafts, num_draft_tokens, num_accepted_tokens: int (summed over the
      timed passes), accepted_per_pos: [int] * k (same passes), texts: [str per prompt],
      token_ids: [[int] per prompt], error: str | None}
+    With rounds > 1 the lists run over every round's passes and each dict adds round_of_pass: [round index per
+    timed pass] and startup_s_per_round; counters are summed over all rounds; texts and token ids are the first
+    round's.
 """
 
 from __future__ import annotations
 
+from itertools import zip_longest
 from typing import Any
 
 NO_SPEC = "no_spec"
@@ -117,3 +124,49 @@ def parallel_ks(ks: list[int], parallel_tokens: int) -> list[int]:
     if not parallel_tokens:
         return list(ks)
     return [k for k in ks if k <= parallel_tokens] or [parallel_tokens]
+
+
+# What identifies a configuration's result across rounds.
+RESULT_KEY = ("name", "method", "draft", "k", "temperature", "draft_sample_method", "parallel_drafting")
+PER_PASS = ("wall_s", "load_avg", "foreign_cpu", "output_tokens_per_pass")
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def pool_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per configuration from the results of several rounds (each a list in any order): per-pass
+    lists concatenated with `round_of_pass` saying which round each pass ran in, counters summed, the first
+    round's texts and token ids kept. A configuration that failed in any round keeps the error, labelled.
+    One round's results come back as they are."""
+    if len(rounds) == 1:
+        return list(rounds[0])
+    pooled: dict[tuple, dict[str, Any]] = {}
+    for i, results in enumerate(rounds):
+        for res in results:
+            key = tuple(bool(res.get(k)) if k == "parallel_drafting" else res.get(k) for k in RESULT_KEY)
+            error = (
+                f"round {i + 1}: {res['error']}" if res.get("error") and len(rounds) > 1 else res.get("error")
+            )
+            passes = len(res.get("wall_s") or [])
+            if key not in pooled:
+                pooled[key] = {
+                    **res,
+                    **{f: list(res.get(f) or []) for f in PER_PASS},
+                    "round_of_pass": [i] * passes,
+                    "startup_s_per_round": [res.get("startup_s")],
+                    "accepted_per_pos": list(res.get("accepted_per_pos") or []),
+                    "error": error,
+                }
+                continue
+            p = pooled[key]
+            for f in PER_PASS:
+                p[f] += list(res.get(f) or [])
+            p["round_of_pass"] += [i] * passes
+            p["startup_s_per_round"].append(res.get("startup_s"))
+            for f in COUNTERS:
+                p[f] = int(p.get(f) or 0) + int(res.get(f) or 0)
+            p["accepted_per_pos"] = [
+                a + b
+                for a, b in zip_longest(p["accepted_per_pos"], res.get("accepted_per_pos") or [], fillvalue=0)
+            ]
+            p["error"] = "; ".join(e for e in (p["error"], error) if e) or None
+    return list(pooled.values())

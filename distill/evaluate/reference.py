@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from distill.errors import InputError
 from distill.evaluate import hardware
+from distill.evaluate.jobs import pool_rounds
 from distill.utils.fs import atomic_write_json
 from distill.vllm_worker.speculate import cpu_snapshot as machine_snapshot
 from distill.vllm_worker.speculate import foreign_cpu_share
@@ -541,6 +542,8 @@ def _validate_job(job: dict[str, Any]) -> None:
         problems.append(f"max_tokens: {job.get('max_tokens')!r} must be >= 1")
     if int(job.get("repeats", 1)) < 1:
         problems.append(f"repeats: {job.get('repeats')!r} must be >= 1")
+    if int(job.get("rounds", 1)) < 1:
+        problems.append(f"rounds: {job.get('rounds')!r} must be >= 1")
     for c in job.get("configs", []):
         problems += _config_problems(c)
     if not job.get("configs"):
@@ -753,8 +756,9 @@ def run_reference_job(job: dict[str, Any]) -> dict[str, Any]:
     """Run every configuration of an eval job with the reference engine.
 
     The job dict is documented in `distill/evaluate/jobs.py`; this engine reads target, dtype, prompts,
-    max_tokens, eos_token_id (int or list), configs, repeats, seed and the optional device, top_p, ngram_min,
-    ngram_max, trust_remote_code, threads, partial_path; other keys (vLLM settings) are ignored. The rejection
+    max_tokens, eos_token_id (int or list), configs, repeats, seed and the optional rounds, device, top_p,
+    ngram_min, ngram_max, trust_remote_code, threads, partial_path; other keys (vLLM settings) are ignored. With
+    rounds > 1 the configurations run that many times in turn, their passes pooled (`jobs.pool_rounds`). The rejection
     rule is always the standard one. A configuration that fails at run time gets its `error` set and empty
     results; the others still run. Counters are summed over the timed passes (identical passes: every prompt
     is reseeded), texts and token ids come from the first.
@@ -770,22 +774,25 @@ def run_reference_job(job: dict[str, Any]) -> dict[str, Any]:
     device = _pick_device(job)
     models = _ModelCache(str(job.get("dtype", "float32")), device, bool(job.get("trust_remote_code", False)))
     tokenizer = load_tokenizer(job["target"], trust_remote_code=bool(job.get("trust_remote_code", False)))
-    results: list[dict[str, Any]] = []
-    head = {
+    head: dict[str, Any] = {
         "engine": "hf",
         "engine_version": f"torch {torch.__version__}, transformers {transformers.__version__}",
         "device": device.type,
-        "results": results,
+        "results": [],
     }
-    for c in job["configs"]:
-        log.info("reference engine: %s (k=%s, T=%s)", c.get("name"), c.get("k"), c.get("temperature"))
-        try:
-            results.append(run_config(job, c, models, tokenizer))
-        except DistillError:
-            raise
-        except (RuntimeError, ValueError, OSError) as exc:
-            log.exception("reference engine: %s failed", c.get("name"))
-            results.append({**_empty_result(c), "error": f"{type(exc).__name__}: {exc}"})
-        if job.get("partial_path"):  # what was measured survives an interruption, marked incomplete
-            atomic_write_json(Path(job["partial_path"]), {**head, "complete": False})
+    done: list[list[dict[str, Any]]] = []
+    for _ in range(int(job.get("rounds", 1))):
+        done.append([])
+        for c in job["configs"]:
+            log.info("reference engine: %s (k=%s, T=%s)", c.get("name"), c.get("k"), c.get("temperature"))
+            try:
+                done[-1].append(run_config(job, c, models, tokenizer))
+            except DistillError:
+                raise
+            except (RuntimeError, ValueError, OSError) as exc:
+                log.exception("reference engine: %s failed", c.get("name"))
+                done[-1].append({**_empty_result(c), "error": f"{type(exc).__name__}: {exc}"})
+            head["results"] = pool_rounds(done)
+            if job.get("partial_path"):  # what was measured survives an interruption, marked incomplete
+                atomic_write_json(Path(job["partial_path"]), {**head, "complete": False})
     return head

@@ -27,6 +27,28 @@ def tokens_per_s(res: dict[str, Any]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def rates_by_round(res: dict[str, Any]) -> dict[int, float]:
+    """Median tokens/s of each round's timed passes (`round_of_pass`; one round when absent)."""
+    walls = res.get("wall_s") or []
+    per_pass = res.get("output_tokens_per_pass") or [res.get("output_tokens", 0)] * len(walls)
+    rounds = res.get("round_of_pass") or [0] * len(walls)
+    by_round: dict[int, list[float]] = {}
+    for r, n, w in zip(rounds, per_pass, walls, strict=False):
+        if w and w > 0:
+            by_round.setdefault(int(r), []).append(n / w)
+    return {r: statistics.median(v) for r, v in sorted(by_round.items())}
+
+
+def speedup_per_round(res: dict[str, Any], base: dict[str, Any]) -> list[float | None] | None:
+    """The speedup within each round (this configuration's tokens/s over no_spec's of the same round), when
+    the eval ran several rounds: how much the machine's drift moved the pooled figure."""
+    mine, theirs = rates_by_round(res), rates_by_round(base)
+    rounds = sorted(set(mine) | set(theirs))
+    if len(rounds) < 2:
+        return None
+    return [mine[r] / theirs[r] if r in mine and theirs.get(r) else None for r in rounds]
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -79,6 +101,11 @@ def result_row(res: dict[str, Any], base: dict[str, Any] | None, *, dtype: str) 
     row["dtype"] = dtype
     row["tokens_per_s"] = tps
     row["speedup"] = (tps / base_tps) if (tps is not None and base_tps) else None
+    if len(set(res.get("round_of_pass") or [])) > 1:
+        row["round_of_pass"] = list(res["round_of_pass"])
+    per_round = speedup_per_round(res, base) if base and res.get("method") is not None else None
+    if per_round is not None:
+        row["speedup_per_round"] = per_round
     if res.get("method") is not None:
         counts = {
             key: int(res.get(key) or 0) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -344,7 +371,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- hardware: {hardware_summary(report)}",
         f"- prompts: {report['prompts']['count']} from `{report['prompts']['source']}`, max_tokens "
         f"{report.get('max_tokens')} (stop at EOS), batch (max_num_seqs) {report['settings'].get('max_num_seqs')}, "
-        f"{report['settings'].get('repeats')} timed repeats after a warm-up (median)",
+        f"{report['settings'].get('repeats')} timed repeats after a warm-up (median)" + _rounds_note(report),
         f"- draft sampling: {_measured_sample_methods(report)}; rejection sampling: "
         f"{report['settings'].get('rejection_sample_method')}",
         f"- vLLM CPU settings: {report['settings'].get('vllm_env')}"
@@ -406,6 +433,23 @@ def _drafting(row: dict[str, Any]) -> str:
     return "parallel" if row.get("parallel_drafting") else "autoregressive"
 
 
+def _rounds_note(report: dict[str, Any]) -> str:
+    rounds = int(report["settings"].get("rounds") or 1)
+    if rounds < 2:
+        return ""
+    return f", in each of {rounds} rounds over all configurations in turn (passes pooled)"
+
+
+def _per_round(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per speculative row measured in several rounds: its speedup in each round."""
+    lines = [
+        f"- {r['name']} k={r.get('k')}: " + ", ".join(_fmt(x) for x in r["speedup_per_round"])
+        for r in rows
+        if r.get("speedup_per_round")
+    ]
+    return ["Speedup in each round (same-round no_spec as the base):", "", *lines, ""] if lines else []
+
+
 def _table(temp: float, rows: list[dict[str, Any]]) -> list[str]:
     out = [
         f"## Temperature {temp}",
@@ -425,4 +469,4 @@ def _table(temp: float, rows: list[dict[str, Any]]) -> list[str]:
         )
     errors = [r for r in rows if r.get("error")]
     out += [""] + [f"- {r['name']} k={r.get('k')}: {r['error']}" for r in errors] + ([""] if errors else [])
-    return out
+    return out + _per_round(rows)

@@ -447,6 +447,7 @@ def build_job(cfg: Config, plan: Plan, partial_path: Path | None) -> dict[str, A
             methods=plan.methods,
         ),
         "repeats": e.repeats,
+        "rounds": e.rounds,
         "seed": cfg.run.seed,
         "rejection_sample_method": e.rejection_sample_method,
         "ngram_prompt_lookup_min": e.ngram_prompt_lookup_min,
@@ -480,12 +481,16 @@ class PartialWatcher:
 
     def __call__(self) -> None:
         try:
-            rows = read_json(self.partial)["results"] if self.partial.is_file() else []
+            got = read_json(self.partial) if self.partial.is_file() else {"results": []}
+            rows = got["results"]
+            # Configurations measured, over every round (pooled rows repeat them); older workers: the rows.
+            measured = int(got.get("measured", len(rows)))
         except (OSError, ValueError, KeyError, TypeError):
             return  # being rewritten: next poll
-        if len(rows) > self.seen:
-            self.bar.update(self.task, advance=len(rows) - self.seen, rate=describe_row(rows[-1]))
-            self.seen = len(rows)
+        if measured > self.seen and rows:
+            last = got.get("last") or rows[-1]
+            self.bar.update(self.task, advance=measured - self.seen, rate=describe_row(last))
+            self.seen = measured
 
 
 def describe_row(row: dict[str, Any]) -> str:
@@ -528,7 +533,7 @@ def run_engine(cfg: Config, plan: Plan, out_dir: Path) -> tuple[dict[str, Any], 
                 timeout_s=cfg.eval.timeout_s,
                 env=worker_env(cfg, plan.device),
                 what="vLLM eval worker",
-                poll=PartialWatcher(partial, bar, len(job["configs"])),
+                poll=PartialWatcher(partial, bar, len(job["configs"]) * cfg.eval.rounds),
             )
         return out, None
     except RuntimeFailure as exc:
@@ -670,6 +675,7 @@ def assemble(
     settings = {
         "max_num_seqs": e.max_num_seqs,
         "repeats": e.repeats,
+        "rounds": e.rounds,
         "draft_sample_methods": e.draft_sample_methods,
         "rejection_sample_method": e.rejection_sample_method,
         "min_acceptance": e.min_acceptance,

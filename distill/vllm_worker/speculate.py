@@ -4,8 +4,9 @@ The job dict is documented in `distill/evaluate/jobs.py` (the eval stage builds 
 the same dict). Configurations sharing an engine (same method, draft, k and draft sampling; only the temperature
 differs) run on one engine, started once; its start-up time is reported separately from the timed passes.
 Each temperature gets a warm-up pass, then `repeats` timed passes over all prompts; the speculative counters
-are differences of `LLM.get_metrics()` around the timed passes only. After each engine the results so far are
-written to `job["partial_path"]` so a crash or a timeout keeps them.
+are differences of `LLM.get_metrics()` around the timed passes only. With `job["rounds"]` > 1 the engines run
+that many times in turn (A B C, A B C) and each configuration's passes are pooled (`jobs.pool_rounds`). After
+each engine the results so far are written to `job["partial_path"]` so a crash or a timeout keeps them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from distill.evaluate import hardware
+from distill.evaluate.jobs import pool_rounds
 from distill.evaluate.metrics import SpecCounters, counters_delta, extract_spec_counters, sum_counters
 from distill.utils.fs import atomic_write_json
 
@@ -285,20 +287,30 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     # The entry point loads the plugin in vLLM's own processes; registering here as well covers the engine
     # processes forked from this one even when the package's entry points are stale.
     plugin.register()
-    payload: dict[str, Any] = {**environment(job), "results": [], "complete": False}
+    payload: dict[str, Any] = {**environment(job), "results": [], "complete": False, "measured": 0}
     _write_partial(job, payload)
     groups = engine_groups(job["configs"])
-    for i, group in enumerate(groups):
-        log.info(
-            "engine %d/%d: %s k=%s %s",
-            i + 1,
-            len(groups),
-            group[0]["name"],
-            group[0].get("k"),
-            group[0].get("draft_sample_method") or "",
-        )
-        payload["results"].extend(run_group(group, job))
-        _write_partial(job, payload)
+    rounds = int(job.get("rounds", 1))
+    done: list[list[dict[str, Any]]] = []
+    for r in range(rounds):
+        done.append([])
+        for i, group in enumerate(groups):
+            log.info(
+                "engine %d/%d%s: %s k=%s %s",
+                i + 1,
+                len(groups),
+                f" (round {r + 1}/{rounds})" if rounds > 1 else "",
+                group[0]["name"],
+                group[0].get("k"),
+                group[0].get("draft_sample_method") or "",
+            )
+            done[-1].extend(run_group(group, job))
+            # Pooled so far, and how many configurations were measured (the eval's progress counts them).
+            payload["results"] = pool_rounds(done)
+            payload["measured"] = sum(map(len, done))
+            payload["last"] = {k: v for k, v in done[-1][-1].items() if k not in ("texts", "token_ids")}
+            _write_partial(job, payload)
+    payload.pop("last", None)
     payload["complete"] = True
     payload["plugin"] = {**plugin.status(), "entry_point": plugin_entry_point_registered()}
     return payload
