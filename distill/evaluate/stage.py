@@ -108,9 +108,8 @@ def resolve_drafts(
                 f"model; measure it with eval.drafts[{i}].method=eagle."
             )
         if d.method == "eagle" and not has_tokenizer(folder):
-            vocab = len(
-                target_tok.get_vocab()
-            )  # an EAGLE head drafts with the target's tokenizer (vLLM shares it)
+            # An EAGLE head without a tokenizer drafts with the target's (vLLM shares it).
+            vocab = len(target_tok.get_vocab())
         else:
             try:
                 with remote_code_refused("draft", folder):
