@@ -6,6 +6,7 @@ base (undistilled) vs distilled drafts vs vLLM's ngram baseline vs the target al
     python -m bench.bench_eval --phase t1           # temperature 1: acceptance of greedy vs probabilistic drafting
     python -m bench.bench_eval --quick              # a smaller t0 sweep: k in {1, 2}, 16 prompts, 2 repeats
     python -m bench.bench_eval --phase t0 run.dir=runs/x eval.k=[1]   # overrides go last, win over the phase's
+    python -m bench.bench_eval --phase t0 eval.rounds=2   # every configuration twice in turn: speedup by round
 
 Phases (the protocol of BENCHMARKS.md):
   t0  temperature 0 (vLLM's default greedy drafting): >= 100 held-out prompts, 128 new tokens, batch 1,
@@ -142,6 +143,7 @@ def result_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "tokens_per_s": r.get("tokens_per_s"),
                 "tokens_per_s_spread": spread(tps) if tps else None,
                 "speedup": r.get("speedup"),
+                "speedup_per_round": r.get("speedup_per_round"),
                 "greedy_match": r.get("greedy_match"),
                 "load_avg": r.get("load_avg"),
                 "foreign_cpu": r.get("foreign_cpu"),
@@ -173,10 +175,17 @@ def table(rows: list[dict[str, Any]]) -> str:
                 fmt(r["mean_acceptance_length"], 2),
                 fmt(r["tokens_per_s"], 1),
                 f"{sp['min']:.1f}–{sp['max']:.1f} (n={sp['n']})" if sp else "—",
-                fmt(r["speedup"], 2),
+                fmt(r["speedup"], 2) + per_round_cell(r.get("speedup_per_round")),
             ]
         )
     return markdown_table(header, body)
+
+
+def per_round_cell(per_round: list[float | None] | None) -> str:
+    """` (1.16, 1.12 by round)` for an eval run with eval.rounds > 1: how far the pooled speedup moved."""
+    if not per_round:
+        return ""
+    return " (" + ", ".join(fmt(x, 2) for x in per_round) + " by round)"
 
 
 def error_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -118,6 +118,15 @@ def test_an_incomplete_eval_says_so_and_names_each_failed_row(tmp_path: Path):
     assert problem == saved["problem"]
 
 
+def test_the_speedup_cell_shows_each_rounds_speedup():
+    """`eval.rounds=2` passed through: the pooled speedup and, beside it, each round's."""
+    row = {"name": "distilled", "k": 2, "temperature": 0.0, "wall_s": [10.0, 12.0], "output_tokens": 400,
+           "speedup": 1.11, "speedup_per_round": [1.16, 1.12]}  # fmt: skip
+    (r,) = bench_eval.result_rows({"results": [row]})
+    assert "| 1.11 (1.16, 1.12 by round) |" in bench_eval.table([r])
+    assert "by round" not in bench_eval.table([{**r, "speedup_per_round": None}])
+
+
 def test_spread_and_median_count_the_same_passes():
     """A pass that produced no tokens counts in the report's median (0 tok/s), so it counts in the spread."""
     from distill.evaluate.report import tokens_per_s
