@@ -117,19 +117,13 @@ def ensure_trained(config: str, overrides: list[str]) -> int:
     return 0
 
 
-def pass_rates(r: dict[str, Any]) -> list[float]:
-    """Tokens/s of each timed pass, counted as the report's median is (`tokens_per_s` in
-    distill/evaluate/report.py: every pass with a wall time, one that produced no tokens included), so the
-    spread is over the same passes as the median it brackets."""
-    walls = r.get("wall_s") or []
-    per_pass = r.get("output_tokens_per_pass") or [r.get("output_tokens") or 0] * len(walls)
-    return [(n or 0) / w for n, w in zip(per_pass, walls, strict=False) if w and w > 0]
-
-
 def result_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per measured configuration: the figures of BENCHMARKS.md with the spread of the timed repeats."""
+    from distill.evaluate.report import pass_rates
+
     rows = []
     for r in report["results"]:
+        # the passes the report's median counts, so the spread brackets that median
         tps = pass_rates(r)
         rows.append(
             {

@@ -143,9 +143,7 @@ def pool_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for i, results in enumerate(rounds):
         for res in results:
             key = tuple(bool(res.get(k)) if k == "parallel_drafting" else res.get(k) for k in RESULT_KEY)
-            error = (
-                f"round {i + 1}: {res['error']}" if res.get("error") and len(rounds) > 1 else res.get("error")
-            )
+            error = f"round {i + 1}: {res['error']}" if res.get("error") else None
             passes = len(res.get("wall_s") or [])
             if key not in pooled:
                 pooled[key] = {

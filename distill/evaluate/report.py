@@ -19,23 +19,31 @@ from distill.evaluate.metrics import acceptance_rates
 SLOWER_WARNING = "speculation is slower than none here"
 
 
+def pass_rates_by_round(res: dict[str, Any]) -> list[tuple[int, float]]:
+    """(round, tokens/s) of each timed pass with a wall time, a pass that produced no tokens included; the
+    round is 0 unless the eval ran several (`round_of_pass`)."""
+    walls = res.get("wall_s") or []
+    per_pass = res.get("output_tokens_per_pass") or [res.get("output_tokens") or 0] * len(walls)
+    rounds = res.get("round_of_pass") or [0] * len(walls)
+    return [(int(r), (n or 0) / w) for r, n, w in zip(rounds, per_pass, walls, strict=False) if w and w > 0]
+
+
+def pass_rates(res: dict[str, Any]) -> list[float]:
+    """Tokens/s of each timed pass: what `tokens_per_s` takes the median of."""
+    return [rate for _, rate in pass_rates_by_round(res)]
+
+
 def tokens_per_s(res: dict[str, Any]) -> float | None:
     """Median over the timed passes of (tokens generated in the pass / wall seconds of the pass)."""
-    walls = res.get("wall_s") or []
-    per_pass = res.get("output_tokens_per_pass") or [res.get("output_tokens", 0)] * len(walls)
-    rates = [n / w for n, w in zip(per_pass, walls, strict=False) if w and w > 0]
+    rates = pass_rates(res)
     return statistics.median(rates) if rates else None
 
 
 def rates_by_round(res: dict[str, Any]) -> dict[int, float]:
     """Median tokens/s of each round's timed passes (`round_of_pass`; one round when absent)."""
-    walls = res.get("wall_s") or []
-    per_pass = res.get("output_tokens_per_pass") or [res.get("output_tokens", 0)] * len(walls)
-    rounds = res.get("round_of_pass") or [0] * len(walls)
     by_round: dict[int, list[float]] = {}
-    for r, n, w in zip(rounds, per_pass, walls, strict=False):
-        if w and w > 0:
-            by_round.setdefault(int(r), []).append(n / w)
+    for r, rate in pass_rates_by_round(res):
+        by_round.setdefault(r, []).append(rate)
     return {r: statistics.median(v) for r, v in sorted(by_round.items())}
 
 

@@ -102,11 +102,9 @@ def resolve_drafts(
         shapes = draftcheck.tensor_shapes(
             draftcheck.weight_files(folder, key=key, name=d.name), key=key, name=d.name
         )
-        if d.method == "draft_model" and draftcheck.is_eagle_head(shapes):
-            raise InputError(
-                f"{key}: draft '{d.name}' holds an EAGLE head ({draftcheck.EAGLE_FC}), not a standalone draft "
-                f"model; measure it with eval.drafts[{i}].method=eagle."
-            )
+        configs[d.name] = _draft_config(cfg, folder, key)
+        # Before the tokenizer: a head has none, and a folder of the wrong kind is named as such.
+        check_method(cfg, i, shapes, configs[d.name], target_config)
         if d.method == "eagle" and not has_tokenizer(folder):
             # An EAGLE head without a tokenizer drafts with the target's (vLLM shares it).
             vocab = len(target_tok.get_vocab())
@@ -122,7 +120,6 @@ def resolve_drafts(
                 target_tok, tok, target_name=str(cfg.target.model), draft_name=str(d.model), key=key
             )
         folders[d.name] = folder
-        configs[d.name] = _draft_config(cfg, folder, key)
         check_draft_folder(cfg, i, shapes, configs[d.name], target_config, vocab)
     return folders, configs
 
@@ -152,15 +149,32 @@ def check_draft_folder(
 ) -> None:
     """Embedding table the target's size, checked from the safetensors headers (`shapes`, read by
     `draftcheck.tensor_shapes`, which also checks the weights are there and readable), so a broken draft stops
-    here (exit 2, nothing written) instead of failing inside the engine. An EAGLE-1 head (`method: eagle`)
-    must also be complete for this target."""
+    here (exit 2, nothing written) instead of failing inside the engine."""
     key, name = f"eval.drafts[{i}].model", cfg.eval.drafts[i].name
-    target = str(cfg.target.model)
     draftcheck.check_vocab_rows(
-        config, target_config, draftcheck.embedding_rows(shapes), vocab_len, key=key, name=name, target=target
+        config,
+        target_config,
+        draftcheck.embedding_rows(shapes),
+        vocab_len,
+        key=key,
+        name=name,
+        target=str(cfg.target.model),
     )
-    if cfg.eval.drafts[i].method == "eagle":
-        draftcheck.check_eagle_head(config, target_config, shapes, key=key, name=name, target=target)
+
+
+def check_method(cfg: Config, i: int, shapes: dict[str, list[int]], config: Any, target_config: Any) -> None:
+    """The folder is what `eval.drafts[i].method` says: a complete EAGLE-1 head for this target for `eagle`,
+    and not an EAGLE head for `draft_model`."""
+    d, key = cfg.eval.drafts[i], f"eval.drafts[{i}].model"
+    if d.method == "eagle":
+        draftcheck.check_eagle_head(
+            config, target_config, shapes, key=key, name=d.name, target=str(cfg.target.model)
+        )
+    elif draftcheck.is_eagle_head(shapes):
+        raise InputError(
+            f"{key}: draft '{d.name}' holds an EAGLE head ({draftcheck.EAGLE_FC}), not a standalone draft "
+            f"model; measure it with eval.drafts[{i}].method=eagle."
+        )
 
 
 def draft_ks(cfg: Config) -> dict[str, list[int]]:
