@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
+from prompt_files import write_prompts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -71,33 +71,7 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
 @pytest.fixture()
 def prompts_file(tmp_path) -> Path:
     """60 short prompts as jsonl (`prompt` field)."""
-    p = tmp_path / "prompts.jsonl"
-    topics = [
-        "decoding",
-        "sorting",
-        "the moon",
-        "python lists",
-        "coffee",
-        "trains",
-        "rain",
-        "music",
-        "chess",
-        "gardens",
-        "maps",
-        "bread",
-    ]
-    with open(p, "w") as f:
-        for i in range(60):
-            f.write(
-                json.dumps(
-                    {
-                        "prompt": f"Explain {topics[i % len(topics)]} in {i % 5 + 1} short sentences, "
-                        f"example {i}."
-                    }
-                )
-                + "\n"
-            )
-    return p
+    return write_prompts(tmp_path / "prompts.jsonl")
 
 
 @pytest.fixture()

@@ -39,30 +39,21 @@ def eagle_head(
     drop: tuple[str, ...] = (),
     fc_shape: tuple[int, int] | None = None,
 ) -> Path:
-    """An EAGLE-1 head folder for `target` under vLLM's names (fc.weight, layers.<i>.<...>; no embeddings, head
-    or tokenizer: vLLM shares the target's). It starts as the identity on the target's state (fc = [0 | I],
-    the target's last layer with its output projections zeroed), so vLLM runs it with sane numbers. `drop`
-    leaves tensors out, `fc_shape` makes fc.weight another shape: the defective heads of the preflight tests."""
+    """An EAGLE-1 head folder for `target` as `bench_eagle` exports it (fc.weight, layers.<i>.<...> under vLLM's
+    names; no embeddings, head or tokenizer: vLLM shares the target's). It starts as the identity on the
+    target's state (fc = [0 | I], the target's last layer with its output projections zeroed), so vLLM runs it
+    with sane numbers. `drop` leaves tensors out, `fc_shape` makes fc.weight another shape: the defective heads
+    of the preflight tests."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    config = json.loads((target / "config.json").read_text())
-    hidden, last = int(config["hidden_size"]), int(config["num_hidden_layers"]) - 1
-    weights = load_file(str(target / "model.safetensors"))
-    fc = torch.zeros(fc_shape or (hidden, 2 * hidden))
-    if fc_shape is None:
-        fc[:, hidden:] = torch.eye(hidden)
-    head = {"fc.weight": fc}
-    for i in range(num_layers):
-        for name, value in weights.items():
-            prefix = f"model.layers.{last}."
-            if not name.startswith(prefix) or (i == 0 and "input_layernorm" in name):
-                continue
-            part = name[len(prefix) :]
-            zero = part in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-            head[f"layers.{i}.{part}"] = torch.zeros_like(value) if zero else value.clone()
-    dst.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in head.items() if k not in drop}, str(dst / "model.safetensors"))
-    config.update(num_hidden_layers=num_layers, architectures=["EagleLlamaForCausalLM"])
-    (dst / "config.json").write_text(json.dumps(config))
+    from bench.bench_eagle import build_head, save_head
+    from distill.models.draft import load_causal_lm
+
+    save_head(build_head(load_causal_lm(target), num_layers, -1), target, dst, "float32")
+    if drop or fc_shape:
+        weights = load_file(str(dst / "model.safetensors"))
+        if fc_shape:
+            weights["fc.weight"] = torch.zeros(fc_shape)
+        save_file({k: v for k, v in weights.items() if k not in drop}, str(dst / "model.safetensors"))
     return dst

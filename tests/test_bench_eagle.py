@@ -1,5 +1,5 @@
 """The EAGLE-1 head study (bench/bench_eagle.py): alignment, the identity start, vLLM's weight names, a short
-training on a tiny target, input errors, and (with vLLM) the head running as vLLM's `method: eagle`."""
+training on a tiny target, input errors, and the driver around a faked vLLM worker."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from bench import bench_eagle as be
-from distill.utils.subproc import vllm_available
 
 
 def make_run_dir(root: Path, tokenizer, n_train: int = 48, n_val: int = 8) -> Path:
@@ -116,25 +115,57 @@ def test_speculate_job_measures_no_spec_then_each_k(tmp_path):
     assert job["repeats"] == 3 and job["max_num_seqs"] == 1
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
-def test_head_runs_as_vllm_eagle(tiny_target_dir, tiny_tokenizer, tmp_path):
-    run = make_run_dir(tmp_path / "run", tiny_tokenizer)
-    out = tmp_path / "out"
+def fake_engine_output(job):
+    """What the vLLM worker returns for `job`: no_spec at 100 tokens/s, the head at 150 accepting 60%."""
+    results = []
+    for c in job["configs"]:
+        k, drafts = c["k"], (40 if c["method"] else 0)
+        accepted = [int(0.6 * drafts)] * k
+        wall = 1.0 if c["method"] is None else 2 / 3
+        results.append(
+            {
+                **c,
+                "startup_s": 5.0,
+                "wall_s": [wall] * job["repeats"],
+                "output_tokens": 100,
+                "output_tokens_per_pass": [100] * job["repeats"],
+                "num_drafts": drafts,
+                "num_draft_tokens": drafts * k,
+                "num_accepted_tokens": sum(accepted),
+                "accepted_per_pos": accepted,
+                "token_ids": [[1]] * len(job["prompts"]),
+                "error": None,
+            }
+        )
+    return {"engine": "vllm", "complete": True, "results": results}
+
+
+def test_quick_study_times_its_exported_head_through_the_worker(
+    tiny_target_dir, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """The driver end to end with the engine faked: the job names the exported head (that it runs inside real
+    vLLM is tests/test_eval_eagle.py's, whose heads are this bench's export) and the rows get speedups."""
+    jobs = []
+
+    def run_worker(job, *, log_path, timeout_s, env=None, what=""):
+        jobs.append(job)
+        return fake_engine_output(job)
+
+    monkeypatch.setattr("distill.utils.subproc.run_worker", run_worker)
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    run, out = make_run_dir(tmp_path / "run", tiny_tokenizer), tmp_path / "out"
     rc = be.main(
         [
-            "--quick", "--run-dir", str(run), "--target", str(tiny_target_dir), "--steps", "4",
-            "--batch-size", "4", "--dtype", "float32", "--eager", "--k", "2", "--out-dir", str(out),
+            "--quick", "--run-dir", str(run), "--target", str(tiny_target_dir), "--steps", "2",
+            "--batch-size", "4", "--dtype", "float32", "--k", "2", "--out-dir", str(out),
         ]
     )  # fmt: skip
-    assert rc == 0, (out / "logs" / "eagle.log").read_text()[-3000:]
+    assert rc == 0
+    head = out / "work" / "eagle" / "head"
+    [job] = jobs
+    assert job["target"] == str(tiny_target_dir) and job["configs"][1]["draft"] == str(head)
+    assert len(job["prompts"]) == 2 and job["dtype"] == "float32"
     rows = json.loads((out / "eagle.json").read_text())["vllm"]
     assert [(r["name"], r["k"]) for r in rows] == [("no_spec", 0), ("eagle", 2)]
-    eagle = rows[1]
-    assert (
-        eagle["error"] is None
-        and eagle["num_drafts"] > 0
-        and eagle["num_draft_tokens"] == 2 * eagle["num_drafts"]
-    )
-    assert eagle["speedup"] is not None and len(eagle["per_position_acceptance"]) == 2
+    assert rows[1]["speedup"] == pytest.approx(1.5) and len(rows[1]["per_position_acceptance"]) == 2
+    assert "| eagle | 2 |" in (out / "eagle.md").read_text()
