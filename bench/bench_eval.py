@@ -6,11 +6,12 @@ base (undistilled) vs distilled drafts vs vLLM's ngram baseline vs the target al
     python -m bench.bench_eval --phase t1           # temperature 1: acceptance of greedy vs probabilistic drafting
     python -m bench.bench_eval --quick              # a smaller t0 sweep: k in {1, 2}, 16 prompts, 2 repeats
     python -m bench.bench_eval --phase t0 run.dir=runs/x eval.k=[1]   # overrides go last, win over the phase's
-    python -m bench.bench_eval --phase t0 eval.rounds=2   # every configuration twice in turn: speedup by round
+    python -m bench.bench_eval --phase t0 eval.rounds=1 eval.repeats=3   # the single-round protocol before 2026-12-06
 
 Phases (the protocol of BENCHMARKS.md):
   t0  temperature 0 (vLLM's default greedy drafting): >= 100 held-out prompts, 128 new tokens, batch 1,
-      3 timed repeats (medians), no_spec, ngram, base and distilled at k = 1, 2, 3.
+      3 rounds of one timed pass per configuration in turn (medians of 3), no_spec, ngram, base and distilled
+      at k = 1, 2, 3.
   t1  temperature 1: acceptance of base vs distilled under greedy and probabilistic drafting, and ngram
       (32 prompts, one timed pass: acceptance counts do not need repeats).
 The drafts come from the config's run folder (`run.dir`, overrides included): when eval.drafts measures a draft
@@ -50,7 +51,11 @@ PHASES: dict[str, list[str]] = {
     "t0": [
         "eval.temperatures=[0.0]",
         "eval.num_prompts=100",
-        "eval.repeats=3",
+        # 3 passes per configuration, one in each of 3 rounds over all of them in turn: a slow spell of the
+        # shared machine then lands in one pass of every configuration's median instead of in one
+        # configuration's every pass (BENCHMARKS.md, section 1). Costs an engine start per config and round.
+        "eval.repeats=1",
+        "eval.rounds=3",
         "eval.k=[1,2,3]",
         "eval.ngram=true",
     ],

@@ -21,7 +21,8 @@ def _report() -> dict:
 
 def test_phases_follow_the_protocol():
     t0 = dict(o.split("=", 1) for o in bench_eval.COMMON + bench_eval.PHASES["t0"])
-    assert int(t0["eval.num_prompts"]) >= 100 and int(t0["eval.repeats"]) >= 3
+    assert int(t0["eval.num_prompts"]) >= 100 and int(t0["eval.repeats"]) * int(t0["eval.rounds"]) >= 3
+    assert int(t0["eval.rounds"]) >= 3  # each configuration's passes spread over the whole run
     assert t0["eval.max_tokens"] == "128" and t0["eval.max_num_seqs"] == "1" and t0["eval.ngram"] == "true"
     t1 = dict(o.split("=", 1) for o in bench_eval.PHASES["t1"])
     assert t1["eval.temperatures"] == "[1.0]" and "probabilistic" in t1["eval.draft_sample_methods"]
