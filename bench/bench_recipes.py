@@ -116,6 +116,15 @@ RECIPES: dict[str, list[str]] = {
         "draft.num_attention_heads=4",
         "draft.num_key_value_heads=2",
     ],
+    # The distillation temperature (train.kd_temperature divides teacher and student logits in the loss). It
+    # needs the online teacher (the cache holds T=1 log-probs), so both arms train online, at T=1 and at T=2.
+    "pard4-lr4e-3-online": [*PARD4[:-1], "train.lr=4e-3", "train.teacher=online"],
+    "pard4-lr4e-3-online-kd2": [
+        *PARD4[:-1],
+        "train.lr=4e-3",
+        "train.teacher=online",
+        "train.kd_temperature=2.0",
+    ],
     # The shipped recipe on sampled (T=1) target responses instead of greedy ones (DATA_VARIANTS).
     "pard4-lr4e-3-data-t1": [*PARD4[:-1], "train.lr=4e-3"],
 }
