@@ -5,26 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-TOPICS = [
-    "decoding",
-    "sorting",
-    "the moon",
-    "python lists",
-    "coffee",
-    "trains",
-    "rain",
-    "music",
-    "chess",
-    "gardens",
-    "maps",
-    "bread",
-]
+from distill.train.synthetic import synthetic_prompts
 
 
 def write_prompts(path: Path, n: int = 60) -> Path:
-    """`n` short, distinct prompts as jsonl (`prompt` field)."""
+    """`n` short, distinct prompts as jsonl (`prompt` field): the synthetic dataset's chat prompts."""
     with open(path, "w") as f:
-        for i in range(n):
-            text = f"Explain {TOPICS[i % len(TOPICS)]} in {i % 5 + 1} short sentences, example {i}."
+        for text in synthetic_prompts(n):
             f.write(json.dumps({"prompt": text}) + "\n")
     return path
