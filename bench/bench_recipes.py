@@ -90,6 +90,14 @@ RECIPES: dict[str, list[str]] = {
     # Which target layers the 2-layer draft keeps: the first and the last instead of the first two (layer-
     # skipping drafts keep the late layers, which already write in the head's space).
     "pard4-layers-first-last": [*PARD4, "draft.layers=[0,-1]"],
+    # The shipped recipe on the first 2 layers plus the target's previous-token layer 16 and induction layers
+    # 17-18 (bench_copy): the first-2-layer draft never learns to copy, which prompt lookup does.
+    "pard4-lr4e-3-layers-induction": [
+        *PARD4[:-1],
+        "train.lr=4e-3",
+        "draft.num_layers=5",
+        "draft.layers=[0,1,16,17,18]",
+    ],
     # A 300-step schedule may be too short for lr 1e-3 to settle: a larger peak learning rate.
     "pard4-lr2e-3": [*PARD4[:-1], "train.lr=2e-3"],
     "pard4-lr4e-3": [*PARD4[:-1], "train.lr=4e-3"],

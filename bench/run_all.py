@@ -27,7 +27,8 @@ from bench.common import OUT_DIR, REPO, machine_info, machine_line, utc_now
 
 # bench_eval trains the embedded default's draft when it is missing, so it runs before bench_drafts, which
 # measures that distilled draft beside the undistilled candidates, and before bench_malloc and bench_blocks,
-# which train on that run's data, as does bench_eagle (an EAGLE-1 head on that run's responses).
+# which train on that run's data, as does bench_eagle (an EAGLE-1 head on that run's responses); bench_copy
+# reads that run's validation rows and its undistilled and distilled drafts.
 BENCHES = (
     "bench_data",
     "bench_train",
@@ -37,6 +38,7 @@ BENCHES = (
     "bench_malloc",
     "bench_blocks",
     "bench_drafts",
+    "bench_copy",
 )
 # Quick arguments for benches that have no --quick flag (used only when their --help lacks one).
 QUICK_FALLBACK = {

@@ -1,4 +1,5 @@
-"""Copies of a saved (tiny) model folder with one defect each, for the bad-input tests of every stage."""
+"""Copies of a saved (tiny) model folder with one defect each, for the bad-input tests of every stage; EAGLE heads
+and data-stage run folders built in code for the bench tests."""
 
 from __future__ import annotations
 
@@ -57,3 +58,20 @@ def eagle_head(
             weights["fc.weight"] = torch.zeros(fc_shape)
         save_file({k: v for k, v in weights.items() if k not in drop}, str(dst / "model.safetensors"))
     return dst
+
+
+def data_run_dir(root: Path, tokenizer, n_train: int = 48, n_val: int = 8) -> Path:
+    """A run folder with a data stage's train/val splits: tiny-tokenizer sentences, the second half scored."""
+    from datasets import Dataset
+
+    from distill.models.tiny import synthetic_corpus
+
+    sentences = synthetic_corpus(n_train + n_val, seed=1)
+    rows = []
+    for text in sentences:
+        ids = tokenizer(text)["input_ids"][:40]
+        half = len(ids) // 2
+        rows.append({"input_ids": ids, "loss_mask": [0] * half + [1] * (len(ids) - half)})
+    for split, part in (("train", rows[:n_train]), ("val", rows[n_train:])):
+        Dataset.from_list(part).save_to_disk(str(root / "data" / split))
+    return root

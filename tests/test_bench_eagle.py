@@ -4,28 +4,11 @@ training on a tiny target, input errors, and the driver around a faked vLLM work
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from model_folders import data_run_dir
 
 from bench import bench_eagle as be
-
-
-def make_run_dir(root: Path, tokenizer, n_train: int = 48, n_val: int = 8) -> Path:
-    """A run folder with a data stage's train/val splits: tiny-tokenizer sentences, the second half scored."""
-    from datasets import Dataset
-
-    from distill.models.tiny import synthetic_corpus
-
-    sentences = synthetic_corpus(n_train + n_val, seed=1)
-    rows = []
-    for text in sentences:
-        ids = tokenizer(text)["input_ids"][:40]
-        half = len(ids) // 2
-        rows.append({"input_ids": ids, "loss_mask": [0] * half + [1] * (len(ids) - half)})
-    for split, part in (("train", rows[:n_train]), ("val", rows[n_train:])):
-        Dataset.from_list(part).save_to_disk(str(root / "data" / split))
-    return root
 
 
 def test_aligned_pairs_next_token_with_current_state():
@@ -74,7 +57,7 @@ def test_head_starts_as_identity_and_exports_vllm_names(tiny_target_dir, tmp_pat
 
 
 def test_short_training_learns_the_shift(tiny_target_dir, tiny_tokenizer, tmp_path):
-    run = make_run_dir(tmp_path / "run", tiny_tokenizer)
+    run = data_run_dir(tmp_path / "run", tiny_tokenizer)
     out = tmp_path / "out"
     rc = be.main(
         [
@@ -153,7 +136,7 @@ def test_quick_study_times_its_exported_head_through_the_worker(
 
     monkeypatch.setattr("distill.utils.subproc.run_worker", run_worker)
     monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
-    run, out = make_run_dir(tmp_path / "run", tiny_tokenizer), tmp_path / "out"
+    run, out = data_run_dir(tmp_path / "run", tiny_tokenizer), tmp_path / "out"
     rc = be.main(
         [
             "--quick", "--run-dir", str(run), "--target", str(tiny_target_dir), "--steps", "2",

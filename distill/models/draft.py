@@ -35,13 +35,24 @@ def load_model_config(path: str | Path, *, trust_remote_code: bool = False) -> A
     return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
-def load_causal_lm(path: str | Path, *, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
-    """Load safetensors weights only (`use_safetensors=True`: no pickle)."""
+def load_causal_lm(
+    path: str | Path,
+    *,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> Any:
+    """Load safetensors weights only (`use_safetensors=True`: no pickle). `attn_implementation`: transformers'
+    choice when None; "eager" for a model whose attention weights are read (`output_attentions`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, use_safetensors=True
+        str(path),
+        dtype=getattr(torch, dtype),
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+        attn_implementation=attn_implementation,
     )
 
 
