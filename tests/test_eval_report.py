@@ -144,6 +144,47 @@ def test_a_deployable_config_beats_a_faster_gated_one():
     )
     (rec,) = report.recommend(rows, min_acceptance=0.5)
     assert rec["name"] == "sound" and rec["deploy"] is True
+    # ... and says what it passed over, and why, so a user who trades acceptance for speed can pick it.
+    assert rec["passed_over"] == {
+        "name": "fast_but_rarely_right",
+        "k": 2,
+        "speedup": pytest.approx(4.0),
+        "acceptance_rate": pytest.approx(0.1),
+    }
+    assert "fast_but_rarely_right k=2 (greedy drafting) was faster (4.00x)" in rec["reason"]
+    assert "acceptance 0.10 < eval.min_acceptance 0.50" in rec["reason"]
+    assert rec["reason"].startswith(
+        "sound k=2 (greedy drafting) is the fastest that passes eval.min_acceptance:"
+    )
+
+
+def test_nothing_is_passed_over_when_the_recommendation_is_the_fastest_or_the_faster_one_fails_otherwise():
+    rows = report.build_rows(
+        [
+            base(walls=(2.0,)),
+            res("sound", walls=(1.0,), drafts=10, draft_tokens=20, accepted=16),  # 2x, 0.8
+            res("rarely_right", walls=(1.5,), drafts=10, draft_tokens=20, accepted=2),  # 1.33x, 0.1
+        ],
+        dtype="float32",
+    )
+    (rec,) = report.recommend(rows, min_acceptance=0.5)
+    assert rec["name"] == "sound" and "passed_over" not in rec and "faster" not in rec["reason"]
+    assert " is the fastest: 2.00x" in rec["reason"]
+    # A faster config that also failed another condition (an errored or incomplete run is never a candidate;
+    # here: changed the greedy output in float32) is not offered.
+    rows = report.build_rows(
+        [
+            base(walls=(2.0,)),
+            res("sound", walls=(1.0,), drafts=10, draft_tokens=20, accepted=16),
+            res("wrong", walls=(0.5,), drafts=10, draft_tokens=20, accepted=2),
+        ],
+        dtype="float32",
+    )
+    for row in rows:
+        if row["name"] == "wrong":
+            row["greedy_match"] = 0.5
+    (rec,) = report.recommend(rows, min_acceptance=0.5)
+    assert rec["name"] == "sound" and "passed_over" not in rec
 
 
 def test_errored_configs_are_never_recommended():

@@ -103,7 +103,11 @@ class EvalConfig:
         7200.0, "The vLLM worker is stopped after this many seconds (partial results kept).", gt=0.0
     )
     min_acceptance: float = opt(
-        0.5, "Below this acceptance rate the recommendation says deploy: false.", ge=0.0, le=1.0
+        0.5,
+        "Below this acceptance rate a configuration is recommended only when none passes (then with deploy: "
+        "false); a faster configuration held back by this bar alone is named in the recommendation's reason.",
+        ge=0.0,
+        le=1.0,
     )
     cost_ratio: float | None = opt(
         None,

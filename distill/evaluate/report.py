@@ -233,8 +233,47 @@ def recommend(
         # The fastest configuration that passes the gate; when none does, the fastest one, flagged.
         passing = [r for r in cands if not _problems(r, min_acceptance)]
         best = max(passing or cands, key=lambda r: r["speedup"])
-        out.append(_gate(best, min_acceptance, incomplete))
+        passed_over = faster_below_acceptance_bar(cands, best, min_acceptance)
+        rec = _gate(best, min_acceptance, incomplete, gated=passed_over is not None)
+        if passed_over is not None:
+            rec["passed_over"] = {
+                "name": passed_over["name"],
+                "k": passed_over["k"],
+                "speedup": float(passed_over["speedup"]),
+                "acceptance_rate": passed_over.get("acceptance_rate"),
+            }
+            rec["reason"] += (
+                f" {_label(passed_over)} was faster ({float(passed_over['speedup']):.2f}x) but is held back only "
+                f"by its acceptance {passed_over['acceptance_rate']:.2f} < eval.min_acceptance "
+                f"{min_acceptance:.2f}; lower eval.min_acceptance to recommend it."
+            )
+        out.append(rec)
     return out
+
+
+def faster_below_acceptance_bar(
+    cands: list[dict[str, Any]], best: dict[str, Any], min_acceptance: float
+) -> dict[str, Any] | None:
+    """The fastest configuration faster than `best` whose only failed deploy condition is acceptance below
+    `min_acceptance` (a user trading acceptance for speed would pick it), or None."""
+    held_back = [
+        r
+        for r in cands
+        if float(r["speedup"]) > float(best["speedup"])
+        and set(_problems(r, min_acceptance)) == {CAUSE_LOW_ACCEPTANCE}
+        and r.get("acceptance_rate") is not None
+    ]
+    return max(held_back, key=lambda r: r["speedup"]) if held_back else None
+
+
+def _label(row: dict[str, Any]) -> str:
+    """`name k=K`, with the drafting mode: how a recommendation names a configuration."""
+    label = f"{row['name']} k={row['k']}" + (
+        f" ({row['draft_sample_method']} drafting)" if row.get("draft_sample_method") else ""
+    )
+    if row.get("parallel_drafting"):
+        label += " (parallel draft: one forward pass proposes all k)"
+    return label
 
 
 # Why a recommendation says deploy: false, as codes (`causes`) for readers such as the model card.
@@ -282,16 +321,15 @@ def _incomplete_problem(incomplete: str) -> str:
     return f"the eval is incomplete ({first}): figures cover only part of the sweep"
 
 
-def _gate(best: dict[str, Any], min_acceptance: float, incomplete: str | None = None) -> dict[str, Any]:
+def _gate(
+    best: dict[str, Any], min_acceptance: float, incomplete: str | None = None, *, gated: bool = False
+) -> dict[str, Any]:
+    """The recommendation of `best`; `gated`: a faster configuration was held back by the acceptance bar."""
     acc, speedup = best.get("acceptance_rate"), float(best["speedup"])
     problems = _problems(best, min_acceptance)
     if incomplete is not None:
         problems = {CAUSE_INCOMPLETE: _incomplete_problem(incomplete), **problems}
-    label = f"{best['name']} k={best['k']}" + (
-        f" ({best['draft_sample_method']} drafting)" if best.get("draft_sample_method") else ""
-    )
-    if best.get("parallel_drafting"):
-        label += " (parallel draft: one forward pass proposes all k)"
+    label = _label(best)
     rec = {
         "temperature": float(best["temperature"]),
         "name": best["name"],
@@ -313,7 +351,8 @@ def _gate(best: dict[str, Any], min_acceptance: float, incomplete: str | None = 
         )
         rec["warning"] = "; ".join(problems.values())
     else:
-        rec["reason"] = f"{label} is the fastest: {speedup:.2f}x the target alone, acceptance {acc:.2f}."
+        fastest = "the fastest that passes eval.min_acceptance" if gated else "the fastest"
+        rec["reason"] = f"{label} is {fastest}: {speedup:.2f}x the target alone, acceptance {acc:.2f}."
     return rec
 
 
