@@ -32,13 +32,10 @@ from typing import Any
 
 from bench.common import (
     OUT_DIR,
-    command_line,
     fmt,
-    machine_info,
     markdown_table,
     positive_int,
-    timed_study,
-    write_fragment,
+    run_study,
 )
 
 GROUPS = ("copy_right_max_n", "copy_right_shorter", "copy_wrong", "no_proposal")
@@ -331,21 +328,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = parse_args(argv)
-    machine = machine_info()
-    payload, rc = timed_study(study, args)
-    if payload is None:
-        return rc
-    write_fragment(
-        args.name,
-        payload,
-        render_markdown(payload),
-        command=command_line("bench.bench_copy", argv),
-        machine=machine,
-        out_dir=args.out_dir,
-        show=True,
-    )
-    return 0
+    _, rc = run_study("bench.bench_copy", study, render_markdown, parse_args(argv), argv)
+    return rc
 
 
 if __name__ == "__main__":

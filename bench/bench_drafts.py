@@ -38,13 +38,10 @@ from typing import Any
 from bench.common import (
     OUT_DIR,
     REPO,
-    command_line,
     fmt,
-    machine_info,
     markdown_table,
+    run_study,
     spread,
-    timed_study,
-    write_fragment,
 )
 
 log = logging.getLogger("bench.drafts")
@@ -654,24 +651,14 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = parse_args(argv)
-    machine = machine_info()
-    payload, rc = timed_study(study, args)
-    if payload is None:
-        return rc
-    md = render_markdown(
-        payload["candidates"], payload["settings"], payload["target_vllm"], payload["target_vllm_after"]
-    )
-    write_fragment(
-        args.name,
-        payload,
-        md,
-        command=command_line("bench.bench_drafts", argv),
-        machine=machine,
-        out_dir=args.out_dir,
-        show=True,
-    )
-    return 0
+
+    def render(payload: dict[str, Any]) -> str:
+        return render_markdown(
+            payload["candidates"], payload["settings"], payload["target_vllm"], payload["target_vllm_after"]
+        )
+
+    _, rc = run_study("bench.bench_drafts", study, render, parse_args(argv), argv)
+    return rc
 
 
 if __name__ == "__main__":

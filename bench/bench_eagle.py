@@ -43,13 +43,10 @@ from typing import Any
 
 from bench.common import (
     OUT_DIR,
-    command_line,
     fmt,
-    machine_info,
     markdown_table,
     positive_int,
-    timed_study,
-    write_fragment,
+    run_study,
 )
 
 log = logging.getLogger("bench.eagle")
@@ -502,19 +499,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
-    machine = machine_info()
-    payload, rc = timed_study(study, args, failures=(FloatingPointError,))
+    payload, rc = run_study("bench.bench_eagle", study, render_markdown, args, argv, (FloatingPointError,))
     if payload is None:
         return rc
-    write_fragment(
-        args.name,
-        payload,
-        render_markdown(payload),
-        command=command_line("bench.bench_eagle", argv),
-        machine=machine,
-        out_dir=args.out_dir,
-        show=True,
-    )
     failed = [r for r in payload["vllm"] or [] if r.get("error")]
     return 1 if failed else 0
 

@@ -255,3 +255,30 @@ def timed_study(
         return None, 1
     payload["wall_s"] = round(time.perf_counter() - t0, 1)
     return payload, 0
+
+
+def run_study(
+    module: str,
+    study: Callable[[argparse.Namespace], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    failures: tuple[type[Exception], ...] = (),
+) -> tuple[dict[str, Any] | None, int]:
+    """A bench's main: run `study` (`timed_study`), then write `args.name`'s fragment under `args.out_dir` with
+    the command that reproduces it (`python -m module argv`) and the machine, read before the study ran. Returns
+    (payload, 0), or (None, exit code) after one message on stderr."""
+    machine = machine_info()
+    payload, rc = timed_study(study, args, failures)
+    if payload is None:
+        return None, rc
+    write_fragment(
+        args.name,
+        payload,
+        render(payload),
+        command=command_line(module, argv),
+        machine=machine,
+        out_dir=args.out_dir,
+        show=True,
+    )
+    return payload, 0
