@@ -42,14 +42,16 @@ from bench.common import (
     write_fragment,
 )
 
-# Every recipe names its drafting mode (draft.parallel_tokens=0 unless it overrides it), so the recipes keep
-# their meaning whichever mode the shipped config uses.
+# Every recipe names its drafting mode (draft.parallel_tokens=0 unless it overrides it) and its layers (the
+# first draft.num_layers unless it sets draft.layers), so the recipes keep their meaning whichever draft the
+# shipped config trains.
 SHARED = [
     "target.dtype=bfloat16",
     "train.teacher=cached",
     "train.batch_size=16",
     "train.val_every=100",
     "draft.parallel_tokens=0",
+    "draft.layers=null",
 ]
 # Every recipe trains from step 0 in its invocation (an earlier training in its folder is deleted first).
 FRESH_START = "train.resume=never"
