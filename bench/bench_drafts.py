@@ -323,7 +323,13 @@ def build_truncations(
     out = []
     for n in layers:
         cfg = load_config(
-            CONFIG, [f"target.model={target_ref}", "draft.init=truncate", f"draft.num_layers={n}", "draft.layers=null"]
+            CONFIG,
+            [
+                f"target.model={target_ref}",
+                "draft.init=truncate",
+                f"draft.num_layers={n}",
+                "draft.layers=null",
+            ],
         )
         model = build_initial_draft(cfg, target_dir)
         folder = save_hf_folder(model, tok, work / f"truncate-{n}", generation_source=target_dir)

@@ -55,8 +55,9 @@ SHARED = [
 ]
 # Every recipe trains from step 0 in its invocation (an earlier training in its folder is deleted first).
 FRESH_START = "train.resume=never"
-# The 2-layer parallel draft proposing 4 tokens per pass, as shipped at lr 1e-3; configs/smollm2-sharegpt.yaml
-# now trains it at lr 4e-3 (the pard4-lr4e-3 recipe).
+# The 2-layer parallel draft proposing 4 tokens per pass, as shipped at lr 1e-3 until 2026-12-05 and at lr 4e-3
+# (the pard4-lr4e-3 recipe) until 2026-12-06; configs/smollm2-sharegpt.yaml now trains the induction-layer draft
+# (pard4-lr4e-3-layers-induction) for 160 steps.
 PARD4 = [
     "draft.num_layers=2",
     "draft.parallel_tokens=4",
@@ -92,7 +93,7 @@ RECIPES: dict[str, list[str]] = {
     # Which target layers the 2-layer draft keeps: the first and the last instead of the first two (layer-
     # skipping drafts keep the late layers, which already write in the head's space).
     "pard4-layers-first-last": [*PARD4, "draft.layers=[0,-1]"],
-    # The shipped recipe on the first 2 layers plus the target's previous-token layer 16 and induction layers
+    # The pard4-lr4e-3 recipe on the first 2 layers plus the target's previous-token layer 16 and induction layers
     # 17-18 (bench_copy): the first-2-layer draft never learns to copy, which prompt lookup does.
     "pard4-lr4e-3-layers-induction": [
         *PARD4[:-1],
