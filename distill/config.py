@@ -87,6 +87,19 @@ class DraftConfig:
         "drafting. Eval uses k <= this value for such a draft.",
         ge=0,
     )
+    vocab_size: int = opt(
+        0,
+        "Trim the exported draft to this many tokens (0 = keep the target's whole vocabulary): the tokens of "
+        "the training rows by frequency, then the lowest remaining ids, always with the special and single-byte "
+        "tokens. The output head is the largest matrix of a small draft (SmolLM2: 49152 x 576, 8x one "
+        "layer); a trimmed draft reads a fraction of it, and vLLM serves it with `use_heterogeneous_vocab` "
+        "(greedy drafting only; the output stays exactly the target's). Training still uses the full "
+        "vocabulary. On the embedded default 16384 tokens ran 1.41x against the full draft's 1.37x, within "
+        "this CPU's noise, and greedy-only drafting gives up probabilistic drafting at T > 0 (BENCHMARKS.md, "
+        "section 11), so the shipped config keeps 0.",
+        ge=0,
+        hashed_when_set=True,
+    )
     mask_token_id: int | None = opt(
         None,
         "Token id of the parallel-drafting mask (written as `pard_token` in the draft's config.json); null = "
@@ -384,6 +397,8 @@ def output_view(section_obj: Any) -> Any:
         if f.metadata.get("run_only"):
             continue
         value = getattr(section_obj, f.name)
+        if f.metadata.get("hashed_when_set") and value == f.default:
+            continue
         out[f.name] = output_view(value) if dataclasses.is_dataclass(value) else to_plain(value)
     return out
 

@@ -23,11 +23,14 @@ def opt(
     each_gt: float | None = None,
     each_le: float | None = None,
     run_only: bool = False,
+    hashed_when_set: bool = False,
 ) -> Any:
     """A documented config field. `each_*` bound every element of a list field.
 
     `run_only=True` marks keys that change how a stage runs but not what it produces (timeouts, overwrite
     flags, parallelism): they are left out of the config hash that decides whether a stage is complete.
+    `hashed_when_set=True` marks keys added after run folders existed: at their default they are left out of
+    that hash, so adding them did not make every earlier run (and its checkpoints) look foreign.
     """
     meta = {
         "help": help,
@@ -39,6 +42,7 @@ def opt(
         "each_gt": each_gt,
         "each_le": each_le,
         "run_only": run_only or None,
+        "hashed_when_set": hashed_when_set or None,
     }
     meta = {k: v for k, v in meta.items() if v is not None}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):

@@ -81,3 +81,20 @@ def test_card_states_the_temperature_of_the_served_setting():
     assert "Setting: eval's recommendation, measured at **temperature 1.00**" in readme
     assert '"draft_sample_method": "probabilistic"' in readme
     assert "Eval's recommendation: deploy — d at k=2, temperature 1.00" in readme
+
+
+def test_trimmed_draft_is_served_with_heterogeneous_vocab_and_explained(tmp_path):
+    from distill.models.vocab import KEPT_IDS_FILE
+
+    measured = _row("d", OURS, 3, 1.3, heterogeneous_vocab=True)
+    spec = card.speculative_config("rel/1", measured, {})
+    assert spec["use_heterogeneous_vocab"] is True and spec["draft_sample_method"] == "greedy"
+    readme = _render([measured], {"results": [measured], "recommendation": _rec(measured)})
+    assert '"use_heterogeneous_vocab": true' in readme and "## Trimmed vocabulary" in readme
+    # A report row from before the key: the draft folder's own distill_vocab.json says so.
+    (tmp_path / KEPT_IDS_FILE).write_text("{}")
+    old = _row("d", str(tmp_path), 3, 1.3)
+    assert card.speculative_config("rel/1", old, {})["use_heterogeneous_vocab"] is True
+    plain = card.speculative_config("rel/1", _row("d", OURS, 3, 1.3), {})
+    assert "use_heterogeneous_vocab" not in plain
+    assert "## Trimmed vocabulary" not in _render([_row("d", OURS, 3, 1.3)], {})

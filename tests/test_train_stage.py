@@ -572,3 +572,48 @@ def test_final_log_keeps_an_untrained_drafts_zero_agreement():
     from distill.train.stage import _or_nan
 
     assert _or_nan(0.0) == 0.0 and _or_nan(0.25) == 0.25 and math.isnan(_or_nan(None))
+
+
+def test_vocab_size_exports_a_trimmed_draft_the_eval_accepts(tiny_config_overrides, data_template):
+    from distill.evaluate.stage import preflight
+    from distill.models import vocab
+    from distill.models.draft import load_causal_lm
+    from distill.train.stage import run
+
+    cfg = make_cfg(tiny_config_overrides, data_template, "train.max_steps=4", "draft.vocab_size=500")
+    assert run(cfg) is None
+    out = cfg.run_dir / "draft"
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 500 and config[vocab.TRIMMED_FROM_KEY] == 512
+    kept, vocab_len = vocab.read_kept_ids(out)
+    assert vocab_len == 512 and len(kept) == 500
+    # The training rows' tokens are kept before any filler (with the always-kept ones, fewer than 500 here).
+    seen = set(
+        vocab.count_tokens(
+            __import__("datasets").load_from_disk(str(cfg.run_dir / "data/train"))["input_ids"]
+        )
+    )
+    assert len(seen) < 500 and seen <= set(kept)
+    # Its logits at the kept tokens are the trained draft's, whose full copy draft_init is not.
+    ckpt = torch.load(cfg.run_dir / "train" / "last.ckpt", map_location="cpu", weights_only=True)
+    from distill.models.draft import build_initial_draft
+
+    trained = build_initial_draft(cfg, Path(cfg.target.model))
+    trained.load_state_dict({k.removeprefix("draft."): v for k, v in ckpt["state_dict"].items()})
+    ids = torch.tensor([kept[30:40]])
+    with torch.no_grad():
+        got = load_causal_lm(out).eval()(input_ids=ids).logits
+        torch.testing.assert_close(got[..., kept], trained.eval()(input_ids=ids).logits[..., kept])
+    plan = preflight(load_config(REPO / "configs/tiny.yaml", [*tiny_config_overrides, "eval.engine=hf"]))
+    assert plan.drafts["distilled"] == out
+
+
+def test_too_small_vocab_size_stops_before_training(tiny_config_overrides, data_template):
+    from distill.train.stage import run
+
+    cfg = make_cfg(tiny_config_overrides, data_template, "draft.vocab_size=100")
+    with pytest.raises(
+        InputError, match=r"draft\.vocab_size: 100 cannot hold the \d+ special and single-byte"
+    ):
+        run(cfg)
+    assert not (cfg.run_dir / "train").exists()

@@ -78,8 +78,18 @@ def check_vocab_rows(
     unequal vocab sizes, and the reference engine compares the two distributions position by position.
     `vocab_len` is the shared tokenizer's length, which no table may be smaller than."""
     from distill.models.draft import check_embedding_size
+    from distill.models.vocab import TRIMMED_FROM_KEY, is_trimmed
 
     got, want = int(text_config(draft_config).vocab_size), int(text_config(target_config).vocab_size)
+    if is_trimmed(text_config(draft_config)):
+        # A trimmed draft has one row per kept token (vLLM maps ids by string), cut from the target's table.
+        cut_from = int(getattr(text_config(draft_config), TRIMMED_FROM_KEY))
+        if cut_from != want:
+            raise InputError(
+                f"{key}: draft '{name}' was trimmed from a table of {cut_from} rows ({TRIMMED_FROM_KEY} in its "
+                f"config.json) but the target ({target}) has {want}: it was cut from another model's draft."
+            )
+        want = vocab_len
     if got != want:
         raise InputError(
             f"{key}: draft '{name}' has an embedding table of {got} rows (vocab_size in its config.json) but the "

@@ -66,6 +66,7 @@ def build_configs(
     ngram_k: int | None,
     parallel: dict[str, int] | None = None,
     methods: dict[str, str] | None = None,
+    trimmed: set[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every configuration, grouped so configurations sharing an engine are adjacent.
 
@@ -74,11 +75,15 @@ def build_configs(
     list (a draft not in it sweeps `ks`). `parallel` maps a draft name to the K it was trained to propose in
     one pass: such a draft runs with `parallel_drafting` at the k of its sweep that are <= K (at K when none
     is, see `parallel_ks`); at k = 1 it drafts as an ordinary draft (one token, no masks). `methods` maps a
-    draft name to its vLLM method ("draft_model" when absent, or "eagle").
+    draft name to its vLLM method ("draft_model" when absent, or "eagle"). `trimmed` names the drafts with a
+    trimmed vocabulary: they run with vLLM's `use_heterogeneous_vocab`, which drafts greedily only, so their
+    probabilistic-drafting configurations are left out (and they draft greedily at every temperature when
+    `draft_sample_methods` has no greedy).
     """
     parallel = parallel or {}
     draft_ks = draft_ks or {}
     methods = methods or {}
+    trimmed = trimmed or set()
     temps = sorted(set(temperatures))
     out: list[dict[str, Any]] = []
 
@@ -88,6 +93,8 @@ def build_configs(
         # At k = 1 a parallel draft's proposal is its ordinary next-token proposal (no mask tokens), so it
         # runs, and is labelled, as ordinary drafting.
         extra = {"parallel_drafting": bool(parallel.get(name)) and k >= 2} if method == "draft_model" else {}
+        if name in trimmed:
+            extra["heterogeneous_vocab"] = True
         out.extend(
             {
                 "name": name,
@@ -109,12 +116,14 @@ def build_configs(
         method = methods.get(name, "draft_model")
         for k in parallel_ks(draft_ks.get(name) or ks, parallel.get(name, 0)):
             for dsm in draft_sample_methods:
+                if dsm != "greedy" and name in trimmed:
+                    continue
                 ts = ([t for t in temps if t == 0] if dsm == "greedy" else []) + hot
                 if dsm != "greedy" and not hot:
                     continue
                 add(name, method, path, k, dsm, ts)
-            if "greedy" not in draft_sample_methods and 0.0 in temps:
-                add(name, method, path, k, "greedy", [0.0])
+            if "greedy" not in draft_sample_methods and (0.0 in temps or name in trimmed):
+                add(name, method, path, k, "greedy", [0.0] if name not in trimmed else temps)
     return out
 
 

@@ -676,6 +676,7 @@ def _empty_result(c: dict[str, Any]) -> dict[str, Any]:
         "temperature": float(c.get("temperature", 0.0)),
         "draft_sample_method": c.get("draft_sample_method"),
         "parallel_drafting": bool(c.get("parallel_drafting")),
+        "heterogeneous_vocab": bool(c.get("heterogeneous_vocab")),
         "startup_s": 0.0,
         "wall_s": [],
         "load_avg": [],

@@ -367,6 +367,8 @@ def speculative_config(row: dict[str, Any]) -> dict[str, Any] | None:
         spec["draft_sample_method"] = row.get("draft_sample_method") or "greedy"
         if row.get("parallel_drafting"):
             spec["parallel_drafting"] = True
+        if row.get("heterogeneous_vocab"):  # a trimmed-vocabulary draft (draft.vocab_size)
+            spec["use_heterogeneous_vocab"] = True
     return spec
 
 

@@ -83,7 +83,7 @@ def resolve_drafts(
 ) -> tuple[dict[str, Path], dict[str, Any]]:
     """Resolve every `eval.drafts[i].model` and check it speaks the target's vocabulary and holds readable
     weights."""
-    from distill.models.draft import check_same_vocab, load_tokenizer, remote_code_refused
+    from distill.models.draft import load_tokenizer, remote_code_refused
     from distill.models.resolve import resolve_model
 
     if not cfg.eval.drafts:
@@ -116,12 +116,41 @@ def resolve_drafts(
                 raise
             except Exception as exc:
                 raise InputError(f"{key}: cannot load a tokenizer from {folder} ({exc}).") from exc
-            vocab = check_same_vocab(
-                target_tok, tok, target_name=str(cfg.target.model), draft_name=str(d.model), key=key
-            )
+            vocab = check_draft_vocab(cfg, target_tok, tok, folder, key=key, name=str(d.model))
         folders[d.name] = folder
         check_draft_folder(cfg, i, shapes, configs[d.name], target_config, vocab)
     return folders, configs
+
+
+def check_draft_vocab(
+    cfg: Config, target_tok: Any, draft_tok: Any, folder: Path, *, key: str, name: str
+) -> int:
+    """The draft's tokenizer length after checking it speaks the target's vocabulary: the same one, or, for a
+    trimmed draft (`distill_vocab.json`), the target's tokens at the kept ids."""
+    from distill.models.draft import check_same_vocab
+    from distill.models.vocab import KEPT_IDS_FILE, check_subset_vocab, read_kept_ids
+
+    try:
+        trimmed = read_kept_ids(folder)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(
+            f"{key}: cannot read {folder / KEPT_IDS_FILE} ({exc}); re-export the draft."
+        ) from exc
+    if trimmed is None:
+        return check_same_vocab(
+            target_tok, draft_tok, target_name=str(cfg.target.model), draft_name=name, key=key
+        )
+    kept_ids, vocab_len = trimmed
+    target_vocab = target_tok.get_vocab()
+    why = check_subset_vocab(target_vocab, draft_tok.get_vocab(), kept_ids)
+    if not why and vocab_len != len(target_vocab):
+        why = f"it was trimmed from a vocabulary of {vocab_len} tokens, the target's has {len(target_vocab)}"
+    if why:
+        raise InputError(
+            f"{key}: trimmed draft {name} does not fit the target ({cfg.target.model}): {why}. Trim it from a "
+            "draft of this target (draft.vocab_size in `distill train`)."
+        )
+    return len(kept_ids)
 
 
 # Files any of which means a folder ships its own tokenizer.
@@ -403,7 +432,7 @@ def preflight(cfg: Config) -> Plan:
         prompt_source=source,
         skipped_prompts=skipped,
         max_model_len=max_model_len,
-        notes=notes + parallel_notes + eagle_notes(cfg),
+        notes=notes + parallel_notes + eagle_notes(cfg) + trimmed_notes(cfg, draft_configs),
         parallel=parallel,
         methods={d.name: d.method for d in cfg.eval.drafts},
     )
@@ -415,6 +444,17 @@ def eagle_notes(cfg: Config) -> list[str]:
         "(its cost ratio and acceptance need the target's hidden states)."
         for d in cfg.eval.drafts
         if d.method == "eagle"
+    ]
+
+
+def trimmed_notes(cfg: Config, configs: dict[str, Any]) -> list[str]:
+    """Say so when a trimmed draft's probabilistic-drafting rows, asked for, are not measured."""
+    if not any(t > 0 for t in cfg.eval.temperatures) or "probabilistic" not in cfg.eval.draft_sample_methods:
+        return []
+    return [
+        f"draft '{name}' has a trimmed vocabulary (draft.vocab_size): vLLM runs it with use_heterogeneous_vocab, "
+        "which drafts greedily only, so its probabilistic-drafting rows are not measured."
+        for name in sorted(trimmed_drafts(configs))
     ]
 
 
@@ -458,6 +498,7 @@ def build_job(cfg: Config, plan: Plan, partial_path: Path | None) -> dict[str, A
             ngram_k=ngram_k,
             parallel=plan.parallel,
             methods=plan.methods,
+            trimmed=trimmed_drafts(plan.draft_configs),
         ),
         "repeats": e.repeats,
         "rounds": e.rounds,
@@ -474,6 +515,13 @@ def build_job(cfg: Config, plan: Plan, partial_path: Path | None) -> dict[str, A
         "device": plan.device,
         "partial_path": str(partial_path) if partial_path else None,
     }
+
+
+def trimmed_drafts(configs: dict[str, Any]) -> set[str]:
+    """Names of the drafts with a trimmed vocabulary (vLLM runs them with `use_heterogeneous_vocab`)."""
+    from distill.models.vocab import is_trimmed
+
+    return {name for name, c in configs.items() if is_trimmed(draftcheck.text_config(c))}
 
 
 def worker_env(cfg: Config, device: str) -> dict[str, str]:

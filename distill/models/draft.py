@@ -47,13 +47,17 @@ def load_causal_lm(
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    from distill.models.vocab import expand_trimmed
+
+    model = AutoModelForCausalLM.from_pretrained(
         str(path),
         dtype=getattr(torch, dtype),
         trust_remote_code=trust_remote_code,
         use_safetensors=True,
         attn_implementation=attn_implementation,
     )
+    # A trimmed-vocabulary draft reads and writes target ids, as vLLM runs it.
+    return expand_trimmed(model, Path(path))
 
 
 @contextlib.contextmanager
@@ -337,10 +341,13 @@ def save_hf_folder(
     *,
     generation_source: str | Path | None = None,
     replace: bool = True,
+    trimmed: tuple[list[int], int] | None = None,
 ) -> Path:
     """Atomically write `model` (safetensors) + tokenizer + generation config as an HF folder.
 
-    The tokenizer is always the target's, so vLLM and transformers load the draft with the same vocabulary.
+    The tokenizer is the target's, so vLLM and transformers load the draft with the same vocabulary; for a
+    model trimmed with `vocab.trim_model`, `trimmed` = (kept target ids, target vocabulary length) reduces
+    it to the kept tokens (`vocab.finish_trimmed_folder`).
     """
     from transformers import GenerationConfig
 
@@ -353,4 +360,8 @@ def save_hf_folder(
                 pass
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if trimmed is not None:
+            from distill.models.vocab import finish_trimmed_folder
+
+            finish_trimmed_folder(tmp, *trimmed)
     return out

@@ -240,6 +240,10 @@ def speculative_config(
         spec["parallel_drafting"] = True
     else:
         spec.pop("parallel_drafting", None)
+    if (row and row.get("heterogeneous_vocab")) or draft_is_trimmed(row.get("draft") if row else None):
+        # vLLM serves a trimmed-vocabulary draft only this way, and drafts it greedily.
+        spec["use_heterogeneous_vocab"] = True
+        spec["draft_sample_method"] = "greedy"
     rejection = section(report, "settings").get("rejection_sample_method")
     if row is not None and rejection and rejection != "standard":
         spec["rejection_sample_method"] = rejection
@@ -283,6 +287,26 @@ def parallel_setting(row: dict[str, Any] | None) -> tuple[bool, int]:
     if "parallel_drafting" in row:
         return bool(row["parallel_drafting"]), big_k
     return big_k > 0, big_k
+
+
+def draft_is_trimmed(draft_dir: str | Path | None) -> bool:
+    """Whether the draft folder a row measured is a trimmed-vocabulary draft (`distill_vocab.json`)."""
+    from distill.models.vocab import KEPT_IDS_FILE
+
+    return bool(draft_dir) and (Path(str(draft_dir)) / KEPT_IDS_FILE).is_file()
+
+
+def vocab_section(spec: dict[str, Any]) -> str:
+    if not spec.get("use_heterogeneous_vocab"):
+        return ""
+    return (
+        "\n## Trimmed vocabulary\n\n"
+        "This draft keeps only the tokens the target writes most (`distill_vocab.json` lists the target id of "
+        "each of its tokens): its output head, the largest matrix of a small draft, is that much smaller. vLLM serves "
+        'it with `"use_heterogeneous_vocab": true` (as above): it maps ids between the two tokenizers by their '
+        "strings and constrains the draft to the shared tokens, and it drafts such a draft greedily only. A "
+        "token the draft lacks is never proposed, and verification keeps the output exactly the target's.\n"
+    )
 
 
 def parallel_section(k: int, big_k: int) -> str:
@@ -497,7 +521,7 @@ verifies, so the target's output is unchanged while decoding can be faster.
 ```
 
 {setting_note(best, from_rec, inp.report)}
-{parallel_section(k, big_k) if parallel else ""}
+{parallel_section(k, big_k) if parallel else ""}{vocab_section(spec)}
 ## Measured results
 
 {measurement_context(inp.report)}

@@ -258,7 +258,35 @@ def _check_models(cfg: Config) -> Path:
         require_weights(target_dir, key="target.model")
     if draft_dir is not None:
         require_weights(draft_dir, key="draft.model")
+    if cfg.draft.vocab_size:
+        _check_vocab_size(cfg, draft_dir or target_dir)
     return target_dir
+
+
+def _check_vocab_size(cfg: Config, tokenizer_dir: Path) -> None:
+    """`draft.vocab_size` leaves room for the tokens every trimmed draft keeps, and the tokenizer is a
+    byte-level BPE (what `vocab.trim_tokenizer_json` can reduce); checked before any training."""
+    import json
+
+    from distill.models.draft import load_tokenizer
+    from distill.models.vocab import always_kept
+
+    tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
+    path = tokenizer_dir / "tokenizer.json"
+    kind = (
+        json.loads(path.read_text(encoding="utf-8")).get("model", {}).get("type") if path.is_file() else None
+    )
+    if kind != "BPE":
+        raise InputError(
+            f"draft.vocab_size: trimming needs a BPE tokenizer.json, and {tokenizer_dir} has "
+            f"{'a ' + str(kind) + ' one' if kind else 'none'}; set draft.vocab_size=0 (the full vocabulary)."
+        )
+    need = len(always_kept(tokenizer, None)) + 1  # + the mask token, chosen later, if it is not special
+    if cfg.draft.vocab_size < need:
+        raise InputError(
+            f"draft.vocab_size: {cfg.draft.vocab_size} cannot hold the {need - 1} special and single-byte tokens "
+            f"every trimmed draft keeps; use at least {need} (e.g. 16384), or 0 for the full vocabulary."
+        )
 
 
 def _check_hardware(cfg: Config) -> None:
@@ -550,7 +578,37 @@ def _export(cfg: Config, module: Any, tokenizer: Any, target_dir: Path) -> Path:
     draft = module.draft
     draft.eval()
     _refuse_non_finite(draft)
-    return save_hf_folder(draft, tokenizer, cfg.run_dir / "draft", generation_source=target_dir)
+    trimmed = None
+    if cfg.draft.vocab_size and cfg.draft.vocab_size < int(draft.config.vocab_size):
+        draft, trimmed = _trimmed_copy(cfg, draft, tokenizer)
+    return save_hf_folder(
+        draft, tokenizer, cfg.run_dir / "draft", generation_source=target_dir, trimmed=trimmed
+    )
+
+
+def _trimmed_copy(cfg: Config, draft: Any, tokenizer: Any) -> tuple[Any, tuple[list[int], int]]:
+    """A copy of `draft` keeping `draft.vocab_size` tokens chosen on the training rows, and what
+    `save_hf_folder` needs to write it; logs the share of the validation rows' tokens kept."""
+    import copy
+
+    from distill.data.format import load_split_dataset
+    from distill.models import vocab
+
+    vocab_len = int(draft.config.vocab_size)
+    counts = vocab.count_tokens(load_split_dataset(cfg.run_dir, "train")["input_ids"])
+    # Ids past the tokenizer (padding rows of the table) have no string for vLLM to map: never kept.
+    selectable = min(vocab_len, len(tokenizer))
+    kept = vocab.select_vocab(
+        counts, cfg.draft.vocab_size, selectable, vocab.always_kept(tokenizer, draft.config)
+    )
+    val = vocab.count_tokens(load_split_dataset(cfg.run_dir, "val")["input_ids"])
+    log.info(
+        "draft.vocab_size: the exported draft keeps %d of %d tokens (%.2f%% of the validation rows' tokens)",
+        len(kept),
+        vocab_len,
+        100 * vocab.coverage(val, kept),
+    )
+    return vocab.trim_model(copy.deepcopy(draft), kept), (kept, vocab_len)
 
 
 def _refuse_non_finite(draft: Any) -> None:

@@ -54,6 +54,9 @@ def speculative_config(cfg: dict[str, Any], job: dict[str, Any]) -> dict[str, An
     if cfg.get("parallel_drafting"):
         # One draft forward over [next token, mask * (k - 1)] proposes all k (mask id: `pard_token`).
         spec["parallel_drafting"] = True
+    if cfg.get("heterogeneous_vocab"):
+        # A trimmed-vocabulary draft: vLLM maps ids between the tokenizers by string (greedy drafting only).
+        spec["use_heterogeneous_vocab"] = True
     return spec
 
 
@@ -87,6 +90,7 @@ def empty_result(cfg: dict[str, Any], error: str | None = None) -> dict[str, Any
         "temperature": float(cfg["temperature"]),
         "draft_sample_method": cfg.get("draft_sample_method"),
         "parallel_drafting": bool(cfg.get("parallel_drafting")),
+        "heterogeneous_vocab": bool(cfg.get("heterogeneous_vocab")),
         "startup_s": None,
         "wall_s": [],
         "load_avg": [],
