@@ -28,7 +28,8 @@ from bench.common import OUT_DIR, REPO, machine_info, machine_line, utc_now
 # bench_eval trains the embedded default's draft when it is missing, so it runs before bench_drafts, which
 # measures that distilled draft beside the undistilled candidates, and before bench_malloc and bench_blocks,
 # which train on that run's data, as does bench_eagle (an EAGLE-1 head on that run's responses); bench_copy
-# reads that run's validation rows and its undistilled and distilled drafts.
+# reads that run's validation rows and its undistilled and distilled drafts, bench_vocab its data and distilled
+# draft (which it trims and measures inside vLLM).
 BENCHES = (
     "bench_data",
     "bench_train",
@@ -39,6 +40,7 @@ BENCHES = (
     "bench_blocks",
     "bench_drafts",
     "bench_copy",
+    "bench_vocab",
 )
 # Quick arguments for benches that have no --quick flag (used only when their --help lacks one).
 QUICK_FALLBACK = {
@@ -75,6 +77,10 @@ FULL_RUNS: dict[str, dict[str, list[str]]] = {
                    "eval.k=[2]", "eval.repeats=1", "eval.ngram=false", "eval.analytic_prompts=0",
                    "eval.drafts=[{name: distilled-300, model: checkpoints/smollm2-sharegpt/draft}, "
                    "{name: distilled-900, model: '${run.dir}/draft'}]"],
+    },
+    "bench_vocab": {
+        # The trimmed drafts exported, then timed inside vLLM beside the full one (bench_eval --tag vocab).
+        "": ["--export", "bench/out/work/vocab", "--vllm"],
     },
     "bench_drafts": {
         "bf16": ["--layers", "1,2,4,6", "--dtype", "bfloat16", "--name", "drafts-bf16", "--repeats", "3",
