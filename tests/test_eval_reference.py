@@ -404,6 +404,7 @@ RESULT_KEYS = {
     "temperature",
     "draft_sample_method",
     "parallel_drafting",
+    "heterogeneous_vocab",
     "startup_s",
     "wall_s",
     "output_tokens",

@@ -19,7 +19,9 @@ Job keys:
              k: int (0 for no_spec), temperature: float, draft_sample_method: None | "greedy" | "probabilistic",
              parallel_drafting: bool (only on draft_model configs; true for a parallel (PARD) draft: one draft
              forward proposes all k tokens from [next token, mask * (k - 1)], the mask id being the draft
-             config's `pard_token`; vLLM's `speculative_config.parallel_drafting`)}
+             config's `pard_token`; vLLM's `speculative_config.parallel_drafting`),
+             heterogeneous_vocab: bool (present and true only for a trimmed-vocabulary draft, `draft.vocab_size`:
+             vLLM's `speculative_config.use_heterogeneous_vocab`, greedy drafting only)}
     repeats: int — timed passes over all prompts (after one warm-up pass).
     rounds: int (default 1) — sweeps over all configurations, one after another (A B C, A B C): each
         configuration's passes and counters are pooled over the rounds (`pool_rounds`), so a slow spell of a
@@ -35,7 +37,8 @@ Job keys:
 
 Result: {"results": [per-config dict], "complete": bool, "engine": str, "engine_version": str, "device": str,
 ...}. Per-config dict:
-    {name, method, draft, k, temperature, draft_sample_method, parallel_drafting: bool, startup_s: float | None,
+    {name, method, draft, k, temperature, draft_sample_method, parallel_drafting: bool, heterogeneous_vocab:
+     bool, startup_s: float | None,
      wall_s: [float per timed pass], load_avg: [1-min load average before each timed pass],
      foreign_cpu: [share of the machine's CPU used by other processes during each timed pass, or None],
      output_tokens: int (tokens generated in one pass over all prompts),
