@@ -78,18 +78,16 @@ def vllm_command(args: argparse.Namespace, draft_dir: Path, exported: list[dict[
 
 
 def response_top1(model: Any, rows: Any) -> tuple[float, int]:
-    """(top-1 agreement with the response tokens, positions): logits at i - 1 predict token i where
-    loss_mask[i] is set."""
-    import torch
+    """(top-1 agreement with the response tokens, positions): the prediction after token i - 1 against token
+    i where loss_mask[i] is set."""
+    from bench.bench_copy import predictions
 
     hits = total = 0
-    with torch.no_grad():
-        for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True):
-            x = torch.tensor([ids])
-            pred = model(input_ids=x).logits[0, :-1].argmax(-1)
-            at = torch.tensor(mask[1:], dtype=torch.bool)
-            hits += int((pred[at] == x[0, 1:][at]).sum())
-            total += int(at.sum())
+    for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True):
+        pred = predictions(model, ids)
+        counted = [i for i in range(1, len(ids)) if mask[i]]
+        hits += sum(pred[i - 1] == ids[i] for i in counted)
+        total += len(counted)
     return (hits / total if total else 0.0), total
 
 
