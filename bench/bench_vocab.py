@@ -143,7 +143,6 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     full = load_causal_lm(draft_dir).eval()
     vocab_len, hidden = int(full.config.vocab_size), int(full.config.hidden_size)
     counts = vocab.count_tokens(train["input_ids"])
-    always = vocab.always_kept(tokenizer, full.config)
     top1_full, positions = response_top1(full, val)
     full_ms = head_ms(vocab_len, hidden, args.k, args.repeats)
     sizes = []
@@ -151,7 +150,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
         if size >= vocab_len:
             raise InputError(f"--sizes: {size} is not below the draft's vocabulary ({vocab_len}).")
         try:
-            kept = vocab.select_vocab(counts, size, min(vocab_len, len(tokenizer)), always)
+            kept = vocab.kept_for(counts, size, tokenizer, full.config)
         except ValueError as exc:
             raise InputError(f"--sizes: {size} is too small: {exc}.") from exc
         small = vocab.trim_model(copy.deepcopy(full), kept)

@@ -66,6 +66,13 @@ def select_vocab(counts: Counter[int], size: int, vocab_len: int, always: Iterab
     return sorted(kept)
 
 
+def kept_for(counts: Counter[int], size: int, tokenizer: Any, config: Any) -> list[int]:
+    """The ids a draft with `config` and `tokenizer` keeps at `size` tokens (`select_vocab` with the tokens it
+    must keep); ids past the tokenizer (padding rows of the table) have no string for vLLM to map: never kept."""
+    selectable = min(int(config.vocab_size), len(tokenizer))
+    return select_vocab(counts, size, selectable, always_kept(tokenizer, config))
+
+
 def trim_tokenizer_json(tokenizer: dict[str, Any], kept_ids: Sequence[int]) -> dict[str, Any]:
     """A byte-level BPE `tokenizer.json` reduced to `kept_ids`, renumbered 0..V-1 in the same order.
 

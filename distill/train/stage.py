@@ -596,11 +596,7 @@ def _trimmed_copy(cfg: Config, draft: Any, tokenizer: Any) -> tuple[Any, tuple[l
 
     vocab_len = int(draft.config.vocab_size)
     counts = vocab.count_tokens(load_split_dataset(cfg.run_dir, "train")["input_ids"])
-    # Ids past the tokenizer (padding rows of the table) have no string for vLLM to map: never kept.
-    selectable = min(vocab_len, len(tokenizer))
-    kept = vocab.select_vocab(
-        counts, cfg.draft.vocab_size, selectable, vocab.always_kept(tokenizer, draft.config)
-    )
+    kept = vocab.kept_for(counts, cfg.draft.vocab_size, tokenizer, draft.config)
     val = vocab.count_tokens(load_split_dataset(cfg.run_dir, "val")["input_ids"])
     log.info(
         "draft.vocab_size: the exported draft keeps %d of %d tokens (%.2f%% of the validation rows' tokens)",
