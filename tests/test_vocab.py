@@ -200,6 +200,7 @@ def test_eval_accepts_a_trimmed_draft_and_runs_it_with_heterogeneous_vocab(tiny_
 
 def test_reference_engine_measures_a_trimmed_draft(tiny_target_dir, tmp_path):
     """The reference engine drafts through the full-vocabulary view: greedy output equals the target's."""
+    from distill.evaluate.jobs import build_configs
     from distill.evaluate.reference import run_reference_job
 
     out = tmp_path / "draft"
@@ -209,25 +210,15 @@ def test_reference_engine_measures_a_trimmed_draft(tiny_target_dir, tmp_path):
         "prompts": [[1, 50, 60, 70], [1, 80, 90]],
         "max_tokens": 8,
         "eos_token_id": 2,
-        "configs": [
-            {
-                "name": "no_spec",
-                "method": None,
-                "draft": None,
-                "k": 0,
-                "temperature": 0.0,
-                "draft_sample_method": None,
-            },
-            {
-                "name": "small",
-                "method": "draft_model",
-                "draft": str(out),
-                "k": 2,
-                "temperature": 0.0,
-                "draft_sample_method": "greedy",
-                "heterogeneous_vocab": True,
-            },
-        ],
+        # The eval's own builder: the no_spec baseline and the trimmed draft, flagged as eval flags it.
+        "configs": build_configs(
+            drafts=[("small", str(out))],
+            ks=[2],
+            temperatures=[0.0],
+            draft_sample_methods=["greedy"],
+            ngram_k=None,
+            trimmed={"small"},
+        ),
         "repeats": 1,
         "seed": 0,
     }
