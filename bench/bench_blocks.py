@@ -1,14 +1,19 @@
 """Train-step time and resident memory with the output head and loss run in blocks of rows
-(`train.logits_block_rows`) against all of a micro-batch's predictions at once, side by side on a real data run.
+(`train.logits_block_rows`) against all of a micro-batch's predictions at once, with each block's gradient by
+autograd or in closed form (`train.loss_gradient`), and with one sequence per row of the draft's input or
+several (`train.pack_sequences`), side by side on a real data run.
 
     python -m bench.bench_blocks                                   # the demo's data run (make demo first)
-    python -m bench.bench_blocks --block-rows 0,512,1024,2048 --steps 40 --repeats 2
+    python -m bench.bench_blocks --block-rows 0,512,1024,2048 --loss-gradient autograd --pack false --steps 40 --repeats 2
+    python -m bench.bench_blocks --block-rows 1024 --loss-gradient autograd,auto --pack false,true --steps 16 --repeats 3
     python -m bench.bench_blocks --quick                           # 2 timed steps, 1 repeat
 
 Each measurement is its own process (a fresh heap) running `distill train`'s Lightning step on the run's cached
 data (bench_malloc's worker) with freed memory retained and handed back as `distill train` does: every
 TRIM_EVERY_STEPS steps, and at once past the memory budget or when the machine runs short
 (distill/utils/malloc.py). Within a repeat every setting runs once, the order rotating from repeat to repeat.
+A setting is a (block rows, loss gradient, packing) triple: every --block-rows with every --loss-gradient and
+every --pack.
 Reported per setting: the median step time over all timed steps, its ratio to the first setting's per repeat,
 the resident memory after the first timed step and its growth per step until the first hand-back (the heap
 fragmentation blocks are meant to stop), the hand-backs the budget forced, and peak RSS. Written to
@@ -55,20 +60,28 @@ def growth_per_step(rss_gib: list[float], warmup: int, every: int) -> float | No
     return (rss_gib[end] - rss_gib[start]) / (end - start)
 
 
+def setting_label(block_rows: int, loss_gradient: str, pack: bool) -> str:
+    return f"{block_rows}/{loss_gradient}/{'packed' if pack else 'unpacked'}"
+
+
 def summarize(runs: list[dict[str, Any]], warmup: int, every: int) -> dict[str, Any]:
-    """Per setting (block rows): step-time spread, per-repeat ratio to the first setting, memory figures."""
-    settings = list(dict.fromkeys(r["block_rows"] for r in runs))
+    """Per setting (`block rows/loss gradient/packing`): step-time spread, per-repeat ratio to the first setting,
+    memory figures."""
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
     base = settings[0]
     out: dict[str, Any] = {}
-    for rows in settings:
-        mine = [r for r in runs if r["block_rows"] == rows]
+    for setting in settings:
+        mine = [r for r in runs if r["setting"] == setting]
         ratios = []
         for rep in sorted({r["repeat"] for r in mine}):
-            pair = {r["block_rows"]: median(r["step_s"]) for r in runs if r["repeat"] == rep}
-            if base in pair and rows in pair:
-                ratios.append(pair[base] / pair[rows])
+            pair = {r["setting"]: median(r["step_s"]) for r in runs if r["repeat"] == rep}
+            if base in pair and setting in pair:
+                ratios.append(pair[base] / pair[setting])
         growth = [g for r in mine if (g := growth_per_step(r["rss_gib"], warmup, every)) is not None]
-        out[str(rows)] = {
+        out[setting] = {
+            "block_rows": mine[0]["block_rows"],
+            "loss_gradient": mine[0]["loss_gradient"],
+            "pack_sequences": mine[0]["pack_sequences"],
             "step_s": spread([s for r in mine for s in r["step_s"]]),
             "speedup_vs_first": spread(ratios) if ratios else None,
             "rss_first_timed_gib": median([r["rss_gib"][warmup] for r in mine if len(r["rss_gib"]) > warmup]),
@@ -83,6 +96,8 @@ def summarize(runs: list[dict[str, Any]], warmup: int, every: int) -> dict[str, 
 def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
     header = [
         "logits_block_rows",
+        "loss_gradient",
+        "pack_sequences",
         "s/step (median, min–max)",
         "speedup vs first (per repeat)",
         "RSS after first timed step GiB",
@@ -91,11 +106,13 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
         "peak RSS MiB",
     ]
     rows = []
-    for setting, row in summary.items():
+    for row in summary.values():
         s, ratio, growth = row["step_s"], row["speedup_vs_first"], row["rss_growth_gib_per_step"]
         rows.append(
             [
-                "0 (all at once)" if setting == "0" else setting,
+                "0 (all at once)" if row["block_rows"] == 0 else str(row["block_rows"]),
+                row["loss_gradient"],
+                str(row["pack_sequences"]).lower(),
                 f"{fmt(s['median'], 2)} ({fmt(s['min'], 2)}–{fmt(s['max'], 2)})",
                 f"**{ratio['median']:.2f}x** ({ratio['min']:.2f}–{ratio['max']:.2f}, n={ratio['n']})"
                 if ratio
@@ -112,11 +129,13 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
         f"each run its own process, settings rotating in order; freed memory retained and handed back every "
         f"{trim_every(args)} steps and past the budget (as `distill train`); data: `{args.run_dir}`, config "
         f"`{args.config}`, {args.threads} threads. Growth: resident memory from the first timed step to the step "
-        "before the first periodic hand-back, per step."
+        "before the first periodic hand-back, per step. With all rows at once (0) the loss always takes autograd."
     )
-    return "### Train step: output head and loss in blocks of rows (`train.logits_block_rows`)\n\n" + (
-        markdown_table(header, rows) + note
+    title = (
+        "### Train step: output head and loss in blocks of rows (`train.logits_block_rows`), gradient by "
+        "autograd or in closed form (`train.loss_gradient`), sequences packed (`train.pack_sequences`)"
     )
+    return f"{title}\n\n{markdown_table(header, rows)}{note}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--draft", default="parallel-k4", choices=sorted(DRAFTS))
     p.add_argument("--block-rows", default="0,512,1024,2048", help="comma list; the first is the reference")
+    p.add_argument(
+        "--loss-gradient",
+        default="auto",
+        help="comma list of train.loss_gradient values (auto, autograd); the first is the reference",
+    )
+    p.add_argument(
+        "--pack",
+        default="true",
+        help="comma list of train.pack_sequences values (true, false); the first is the reference",
+    )
     p.add_argument("--steps", type=positive_int, default=40)
     p.add_argument("--warmup", type=non_negative_int, default=2)
     p.add_argument("--repeats", type=positive_int, default=2)
@@ -136,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true", help="2 timed steps, 1 repeat")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    p.add_argument("--name", default="blocks", help="output stem: <out-dir>/<name>.{json,md}")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats = 2, 1, 1
@@ -148,6 +178,18 @@ def main(argv: list[str] | None = None) -> int:
             f"--block-rows: expected a comma list of integers >= 0, got {args.block_rows!r}", file=sys.stderr
         )
         return 2
+    gradients = [x.strip() for x in args.loss_gradient.split(",") if x.strip()]
+    if not gradients or any(g not in ("auto", "autograd") for g in gradients):
+        print(
+            f"--loss-gradient: expected a comma list of auto, autograd; got {args.loss_gradient!r}",
+            file=sys.stderr,
+        )
+        return 2
+    packs = [x.strip().lower() for x in args.pack.split(",") if x.strip()]
+    if not packs or any(x not in ("true", "false") for x in packs):
+        print(f"--pack: expected a comma list of true, false; got {args.pack!r}", file=sys.stderr)
+        return 2
+    triples = [(rows, grad, pack == "true") for pack in packs for grad in gradients for rows in settings]
     data = complete_data(args.run_dir, args.config)
     if data is None:
         return 2
@@ -155,20 +197,36 @@ def main(argv: list[str] | None = None) -> int:
     started = utc_now()
     runs = []
     for rep in range(args.repeats):
-        shift = rep % len(settings)
-        for rows in settings[shift:] + settings[:shift]:
-            overrides = [*DRAFTS[args.draft], f"train.logits_block_rows={rows}"]
-            label = f"{args.draft} logits_block_rows={rows}"
+        shift = rep % len(triples)
+        for rows, grad, pack in triples[shift:] + triples[:shift]:
+            packed = str(pack).lower()
+            overrides = [
+                *DRAFTS[args.draft],
+                f"train.logits_block_rows={rows}",
+                f"train.loss_gradient={grad}",
+                f"train.pack_sequences={packed}",
+            ]
+            label = f"{args.draft} logits_block_rows={rows} loss_gradient={grad} pack_sequences={packed}"
             job = worker_job(args, work, overrides, label, retain=True, budget=True)
             result = run_worker(job, args.threads)
-            runs.append({"block_rows": rows, "repeat": rep, **result})
+            runs.append(
+                {
+                    "setting": setting_label(rows, grad, pack),
+                    "block_rows": rows,
+                    "loss_gradient": grad,
+                    "pack_sequences": pack,
+                    "repeat": rep,
+                    **result,
+                }
+            )
             print(
-                f"repeat {rep} logits_block_rows={rows}: median {median(result['step_s']):.2f} s/step, "
+                f"repeat {rep} {label}: median {median(result['step_s']):.2f} s/step, "
                 f"peak RSS {result['peak_rss_mib'] / 1024:.1f} GiB, forced hand-backs {result['forced_trims']}",
                 flush=True,
             )
     summary = summarize(runs, args.warmup, trim_every(args))
-    write_study("blocks", started, summary, runs, markdown(summary, args), argv, args.out_dir)
+    table = markdown(summary, args)
+    write_study(args.name, started, summary, runs, table, argv, args.out_dir, module="bench_blocks")
     return 0
 
 

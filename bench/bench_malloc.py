@@ -224,14 +224,16 @@ def write_study(
     table: str,
     argv: list[str] | None,
     out_dir: Path,
+    module: str = "",
 ) -> None:
-    """Write `<out_dir>/<name>.{json,md}` (summary, every run, command, machine) and print the table."""
+    """Write `<out_dir>/<name>.{json,md}` (summary, every run, command, machine) and print the table; the
+    command names `bench.<module>` (default `bench.bench_<name>`)."""
     payload = {"started_utc": started, "finished_utc": utc_now(), "summary": summary, "runs": runs}
     write_fragment(
         name,
         payload,
         table,
-        command=command_line(f"bench.bench_{name}", argv),
+        command=command_line(f"bench.{module or 'bench_' + name}", argv),
         machine=machine_info(),
         out_dir=out_dir,
     )

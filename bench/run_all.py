@@ -78,6 +78,13 @@ FULL_RUNS: dict[str, dict[str, list[str]]] = {
                    "eval.drafts=[{name: distilled-300, model: checkpoints/smollm2-sharegpt/draft}, "
                    "{name: distilled-900, model: '${run.dir}/draft'}]"],
     },
+    "bench_blocks": {
+        # The block-rows study of section 7 as it was measured (autograd, one sequence per row), then the
+        # closed-form gradient and packed rows beside it at the default 1024 rows.
+        "": ["--loss-gradient", "autograd", "--pack", "false"],
+        "head": ["--block-rows", "1024", "--loss-gradient", "autograd,auto", "--pack", "false,true",
+                 "--steps", "16", "--repeats", "3", "--name", "blocks-head"],
+    },
     "bench_vocab": {
         # The trimmed drafts exported, then timed inside vLLM beside the full one (bench_eval --tag vocab).
         "": ["--export", "bench/out/work/vocab", "--vllm"],

@@ -101,11 +101,23 @@ def sparse_pair(teacher: SparseTeacher, student_logits: Tensor) -> tuple[Tensor,
     non-top-k logits instead.
     """
     s_all = student_logits.float()
-    log_z = torch.logsumexp(s_all, dim=-1)  # [N]
-    s_top = s_all.gather(-1, teacher.ids) - log_z[:, None]  # [N, k]
+    s_top, s_rest = student_buckets(s_all, torch.logsumexp(s_all, dim=-1), teacher.ids)
+    return teacher_buckets(teacher), torch.cat([s_top, s_rest[:, None]], dim=-1)
+
+
+def teacher_buckets(teacher: SparseTeacher) -> Tensor:
+    """The teacher's log-probabilities in the buckets of `sparse_pair`: float32 [N, k + 1]."""
+    t_rest = teacher.rest_logmass.float().clamp_min(_EMPTY)
+    return torch.cat([teacher.logprobs.float(), t_rest[:, None]], dim=-1)
+
+
+def student_buckets(s_all: Tensor, log_z: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The student's log-probabilities in the buckets of `sparse_pair`: float32 logits [N, V], their
+    logsumexp [N] and the teacher's top-k ids [N, k] -> (top-k log-probs [N, k], rest log-mass [N])."""
+    s_top = s_all.gather(-1, ids) - log_z[:, None]  # [N, k]
     log_top = torch.logsumexp(s_top, dim=-1)  # [N], <= 0
     exact = log_top > _LOG_EXACT_ABOVE
-    if teacher.ids.shape[-1] >= s_all.shape[-1]:
+    if ids.shape[-1] >= s_all.shape[-1]:
         exact = torch.ones_like(exact)
     # Both branches of log(1 - e^x) stay finite on the clamped input, so the unused one has no NaN gradient.
     x = log_top.clamp(max=_LOG_EXACT_ABOVE)
@@ -114,13 +126,10 @@ def sparse_pair(teacher: SparseTeacher, student_logits: Tensor) -> tuple[Tensor,
         rows = exact.nonzero().squeeze(-1)
         # A huge finite negative instead of -inf: an empty bucket still has probability exactly 0, but
         # logsumexp over an all-empty row keeps a finite gradient (with -inf it is NaN, and 0 * NaN = NaN).
-        outside = s_all[rows].scatter(-1, teacher.ids[rows], _EMPTY)
+        outside = s_all[rows].scatter(-1, ids[rows], _EMPTY)
         exact_rest = (torch.logsumexp(outside, dim=-1) - log_z[rows]).clamp_min(_EMPTY)  # "empty" when k = V
         s_rest = s_rest.index_put((rows,), exact_rest)
-    t_rest = teacher.rest_logmass.float().clamp_min(_EMPTY)
-    t = torch.cat([teacher.logprobs.float(), t_rest[:, None]], dim=-1)
-    s = torch.cat([s_top, s_rest[:, None]], dim=-1)
-    return t, s
+    return s_top, s_rest
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -236,6 +245,64 @@ def distill_loss(
 ) -> Tensor:
     """Scalar: sum of `per_token_loss` divided by `num_tokens` (the global count for the optimizer step)."""
     return per_token_loss(spec, student_logits, labels, teacher).sum() / num_tokens
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The same loss with its gradient in closed form (the train stage's fast path)
+
+CLOSED_FORM_TERMS = frozenset({"fkl", "ce"})
+
+
+def has_closed_form(spec: LossSpec, teacher: Tensor | SparseTeacher | None) -> bool:
+    """True when `loss_and_logit_grad_` covers the spec: forward KL on a top-k cache, CE, or a mix of the two,
+    at temperature 1."""
+    names = {name for name, w in spec.weights.items() if w}
+    if not names or not names <= CLOSED_FORM_TERMS or spec.temperature != 1.0:
+        return False
+    return "fkl" not in names or isinstance(teacher, SparseTeacher)
+
+
+def loss_and_logit_grad_(
+    spec: LossSpec, student_logits: Tensor, labels: Tensor, teacher: SparseTeacher | None
+) -> tuple[Tensor, Tensor]:
+    """`per_token_loss` [N] and its gradient with respect to the logits [N, V], without autograd.
+
+    student_logits: float32 [N, V], OVERWRITTEN: its storage becomes the returned gradient (the memory of one
+    vocabulary-sized array instead of the four that autograd's log-softmax, gather, exp and their backward keep
+    or write). Only the specs of `has_closed_form`; the teacher's ids must be distinct and below V.
+
+    With q = softmax(z), the sparse forward KL's buckets (`sparse_pair`: the teacher's top-k, probabilities p_i,
+    and the rest, p_r, against the student's rest mass R = 1 - sum_top q), P = sum_top p_i + p_r (1 up to
+    rounding) and the rest's normalised student probabilities e_j = q_j / R:
+        d fkl / d z_j = q_j P - p_j          for j in the top-k,
+                      = e_j (R P - p_r)      outside it,
+    and d ce / d z_j = q_j - [j = label]. Outside the top-k e_j = exp(z_j - logsumexp over the rest) <= 1
+    stays finite however small R is, where q_j / R would not.
+    """
+    w_fkl, w_ce = spec.weights.get("fkl", 0.0), spec.weights.get("ce", 0.0)
+    z = student_logits
+    log_z = torch.logsumexp(z, dim=-1)  # [N]
+    loss = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)
+    if w_ce:
+        loss += w_ce * (log_z - z.gather(-1, labels[:, None]).squeeze(-1))
+    if w_fkl:
+        assert teacher is not None, "forward KL needs the cached teacher rows"
+        s_top, s_rest = student_buckets(z, log_z, teacher.ids)
+        t = teacher_buckets(teacher)
+        loss += w_fkl * kl_per_token(t, torch.cat([s_top, s_rest[:, None]], dim=-1))
+        p_top, p_rest = t[:, :-1].exp(), t[:, -1].exp()
+        mass = p_top.sum(-1) + p_rest
+        rest = s_rest.exp()
+        # Every column first as if outside the top-k, then the top-k columns overwritten.
+        outside = w_fkl * (rest * mass - p_rest) + w_ce * rest
+        z.sub_((log_z + s_rest)[:, None]).exp_().mul_(outside[:, None])
+        q_top = s_top.exp()
+        z.scatter_(-1, teacher.ids, w_fkl * (q_top * mass[:, None] - p_top) + w_ce * q_top)
+    else:
+        z.sub_(log_z[:, None]).exp_().mul_(w_ce)
+    if w_ce:
+        z.scatter_add_(-1, labels[:, None], torch.full_like(z[:, :1], -w_ce))
+    return loss, z
 
 
 # ---------------------------------------------------------------------------------------------------------

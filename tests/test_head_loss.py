@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from distill.losses import LossSpec, SparseTeacher, per_token_loss
-from distill.train.head_loss import blocks, chunked_head_loss
+from distill.train.head_loss import autograd_row_grad, blocks, chunked_head_loss
 from distill.train.module import fit_sparse_to_vocab
 
 VOCAB = 45  # the tokenizer; the head has 50 rows (a padded table)
@@ -35,6 +35,10 @@ def _row_loss(spec, teacher, labels):
         return per_token_loss(spec, s, labels[start:end], t)
 
     return row_loss
+
+
+def _row_grad(spec, teacher, labels):
+    return autograd_row_grad(_row_loss(spec, teacher, labels))
 
 
 def _reference(spec, hidden, weight, teacher, labels):
@@ -66,7 +70,7 @@ def test_blocked_loss_and_gradients_equal_all_rows_at_once(rows, spec):
     ref = _reference(spec, h1, w1, teacher, labels)
     (ref * 0.7).backward()
     h2, w2 = _leaves()
-    got = chunked_head_loss(h2, w2, _row_loss(spec, teacher, labels), rows)
+    got = chunked_head_loss(h2, w2, _row_grad(spec, teacher, labels), rows)
     (got * 0.7).backward()  # the upstream gradient scales both results
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-5, atol=1e-6)
@@ -81,7 +85,7 @@ def test_frozen_head_gets_no_gradient_and_hidden_still_does():
     _reference(spec, h1, w1, teacher, labels).backward()
     h2, w2 = _leaves()
     w2.requires_grad_(False)
-    chunked_head_loss(h2, w2, _row_loss(spec, teacher, labels), 8).backward()
+    chunked_head_loss(h2, w2, _row_grad(spec, teacher, labels), 8).backward()
     assert w2.grad is None
     torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-5, atol=1e-6)
 
@@ -95,7 +99,7 @@ def test_under_bf16_autocast_the_head_runs_in_bf16_like_the_plain_path():
     h2, w2 = _leaves()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = _reference(spec, h1, w1, teacher, labels)
-        got = chunked_head_loss(h2, w2, _row_loss(spec, teacher, labels), 8)
+        got = chunked_head_loss(h2, w2, _row_grad(spec, teacher, labels), 8)
     ref.backward()
     got.backward()
     assert w2.grad is not None and w2.grad.dtype == torch.float32  # the parameter's dtype, not bf16
@@ -126,11 +130,14 @@ def _micro_batch(parallel: bool):
     return MicroBatch(ids, attn, loss, positions, teacher, torch.tensor([0, 1]), view)
 
 
-def _grads(model, mb, rows: int, vocab: int):
+FKL = LossSpec.single("fkl")
+
+
+def _grads(model, mb, rows: int, vocab: int, spec=FKL):
     from distill.train.module import student_and_teacher
 
     model.zero_grad(set_to_none=True)
-    loss = student_and_teacher(model, None, mb, vocab).loss_sum(LossSpec.single("fkl"), rows)
+    loss = student_and_teacher(model, None, mb, vocab).loss_sum(spec, rows)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads
@@ -147,6 +154,58 @@ def test_module_loss_and_every_parameter_gradient_match_unblocked(tiny_llama, pa
     assert g3.keys() == g0.keys() and "model.embed_tokens.weight" in g0  # the tied head/embedding too
     for name in g0:
         torch.testing.assert_close(g3[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+CLOSED_FORM_SPECS = [LossSpec.single("fkl"), LossSpec.single("ce"), LossSpec({"fkl": 0.6, "ce": 0.4})]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("spec", CLOSED_FORM_SPECS, ids=["fkl", "ce", "fkl+ce"])
+def test_closed_form_path_gives_the_autograd_gradients(tiny_llama, parallel, spec, monkeypatch):
+    """Blocks of 3 rows, each in closed form 2 rows at a time, against all rows at once through autograd;
+    with cached ids past the tokenizer (vocab 60) the blocks that hold them take autograd instead."""
+    from distill.train import module
+
+    monkeypatch.setattr(module, "CACHE_ROWS", 2)
+    calls = []
+    real = module.loss_and_logit_grad_
+    monkeypatch.setattr(module, "loss_and_logit_grad_", lambda *a: calls.append(1) or real(*a))
+    mb = _micro_batch(parallel)
+    for vocab in (64, 60):
+        calls.clear()
+        loss0, g0 = _grads(tiny_llama, mb, 0, vocab, spec)
+        assert not calls  # unblocked: the plain path
+        loss3, g3 = _grads(tiny_llama, mb, 3, vocab, spec)
+        if vocab == 64 or spec.weights == {"ce": 1.0}:
+            assert len(calls) >= mb.num_tokens // 2
+        else:
+            assert len(calls) < mb.num_tokens // 2
+        assert abs(loss3 - loss0) < 1e-5 * max(1.0, abs(loss0))
+        assert g3.keys() == g0.keys()
+        for name in g0:
+            torch.testing.assert_close(g3[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_closed_form_under_bf16_autocast_matches_autograd_blocks():
+    from distill.train.module import closed_form_rows
+
+    spec = LossSpec({"fkl": 0.8, "ce": 0.2})
+    teacher, labels = _sparse_teacher(37, width=VOCAB), torch.randint(0, VOCAB, (37,))
+    h1, w1 = _leaves()
+    h2, w2 = _leaves()
+
+    def closed(logits, start, end):
+        return closed_form_rows(spec, logits, labels[start:end], _take(teacher, start, end), VOCAB)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = chunked_head_loss(h1, w1, _row_grad(spec, teacher, labels), 8)
+        got = chunked_head_loss(h2, w2, closed, 8)
+    ref.backward()
+    got.backward()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-2, atol=1e-4)  # both cast the gradient to bf16
+    torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-2, atol=1e-4)
+    assert float(w2.grad[VOCAB:].abs().max()) == 0.0  # the padded rows past the tokenizer
 
 
 @pytest.mark.parametrize("parallel", [False, True])
@@ -181,3 +240,69 @@ def test_models_that_post_process_logits_take_the_full_forward(tiny_llama, paral
     assert abs(loss_full - loss_blocked) < 1e-5 * max(1.0, abs(loss_blocked))
     for name in g_blocked:
         torch.testing.assert_close(g_full[name], g_blocked[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Several sequences per row of the draft's input (train.pack_sequences)
+
+
+def _items(seed: int = 5):
+    """Four dataset rows of ragged lengths with their cached top-k rows (one per response token)."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for row, (prompt, response) in enumerate([(3, 9), (2, 3), (2, 2), (3, 3)]):
+        n = prompt + response
+        t = _sparse_teacher(response, k=8, seed=seed + row, width=64)
+        items.append(
+            {
+                "input_ids": torch.randint(1, 60, (n,), generator=g).tolist(),
+                "loss_mask": [0] * prompt + [1] * response,
+                "row": row,
+                "topk": (t.ids, t.logprobs, t.rest_logmass),
+            }
+        )
+    return items
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("rows", [0, 3])
+def test_packed_micro_batch_gives_the_unpacked_loss_and_gradients(tiny_llama, parallel, rows):
+    from distill.train.data import Parallel, collate_micro
+
+    layout = Parallel(3, 63) if parallel else None
+    plain, packed = (collate_micro(_items(), 0, layout, pack) for pack in (False, True))
+    view = packed.parallel if parallel else packed.packed
+    assert view is not None and view.input_ids.shape[0] < 4  # packed: fewer rows than sequences
+    assert plain.packed is None  # unpacked: the [B, T] input as it is (a parallel draft's one row each)
+    assert packed.num_tokens == plain.num_tokens
+    loss0, g0 = _grads(tiny_llama, plain, rows, 64)
+    loss1, g1 = _grads(tiny_llama, packed, rows, 64)
+    assert abs(loss1 - loss0) < 1e-5 * max(1.0, abs(loss0))
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_packed_validation_figures_equal_unpacked(tiny_llama, parallel):
+    from distill.train.data import Parallel, collate_micro
+    from distill.train.module import ValAccumulator, eval_micro
+
+    layout = Parallel(3, 63) if parallel else None
+    summaries = []
+    for pack in (False, True):
+        acc = ValAccumulator(4)
+        eval_micro(
+            tiny_llama,
+            None,
+            collate_micro(_items(), 0, layout, pack),
+            LossSpec.single("fkl"),
+            1.0,
+            64,
+            acc,
+            2,
+        )
+        summaries.append(acc.summary())
+    plain, packed = summaries
+    for key in ("tokens", "loss", "expected_acceptance", "top1_agreement", "accept_len"):
+        assert packed[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key

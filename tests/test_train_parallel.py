@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -181,3 +183,64 @@ def test_keeps_masks_hits_the_fraction():
 
     share = sum(keeps_masks(r, a, 0.3) for r in range(50) for a in range(200)) / 10_000
     assert abs(share - 0.3) < 0.02
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packing several sequences per row (train.pack_sequences)
+
+
+def _ragged_batch():
+    """Five rows of very different lengths (prompt 2-3 tokens, responses 1-9), right-padded to 12."""
+    lengths = [(3, 9), (2, 2), (2, 3), (3, 1), (2, 5)]
+    g = torch.Generator().manual_seed(7)
+    b, t = len(lengths), max(p + r for p, r in lengths)
+    ids, attn, loss = (
+        torch.zeros(b, t, dtype=torch.long),
+        torch.zeros(b, t, dtype=torch.long),
+        torch.zeros(b, t, dtype=torch.long),
+    )
+    for r, (p, n) in enumerate(lengths):
+        ids[r, : p + n] = torch.randint(1, 60, (p + n,), generator=g)
+        attn[r, : p + n] = 1
+        loss[r, p : p + n] = 1
+    return ids, attn, loss
+
+
+def test_pack_rows_first_fit_keeps_every_sequence_whole_and_apart():
+    from distill.train.parallel import pack_rows
+
+    assert pack_rows([5, 3, 4], pack=False) == ([(0, 0), (1, 0), (2, 0)], [5, 3, 4])
+    place, filled = pack_rows([10, 3, 4, 6, 2, 5], pack=True)
+    assert max(filled) == 10 and len(filled) == 3  # 30 tokens in 3 rows of 10 instead of 6
+    spans = {}
+    for r, (row, off) in enumerate(place):
+        spans.setdefault(row, []).append((off, off + [10, 3, 4, 6, 2, 5][r]))
+    for row, ranges in spans.items():
+        ranges.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ranges))  # no overlap
+        assert ranges[-1][1] == filled[row] <= 10
+    assert pack_rows([], pack=True) == ([], [])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_packed_rows_give_every_prediction_the_unpacked_logits(tiny_llama, k):
+    ids, attn, loss = _ragged_batch()
+    views = [
+        build_parallel_view(ids, attn, loss, k=k, mask_token_id=63, pad_id=0, pack=pack)
+        for pack in (False, True)
+    ]
+    plain, packed = views
+    assert packed.input_ids.shape[0] < plain.input_ids.shape[0]  # fewer rows ...
+    assert packed.input_ids.shape[1] == plain.input_ids.shape[1]  # ... as long as the longest sequence
+    for field in ("target_index", "draft_position", "anchor"):
+        assert torch.equal(getattr(packed, field), getattr(plain, field)), (
+            field
+        )  # the same predictions, in order
+    logits = []
+    for v in views:
+        with torch.no_grad():
+            out = tiny_llama(
+                input_ids=v.input_ids, attention_mask=v.attention, position_ids=v.position_ids
+            ).logits
+        logits.append(out.reshape(-1, out.shape[-1])[v.predict_at])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)

@@ -82,6 +82,26 @@ class TrainConfig:
         ge=0,
         run_only=True,
     )
+    pack_sequences: bool = opt(
+        True,
+        "Put several of a micro-batch's sequences (with a parallel draft's mask groups) into one row of the "
+        "draft's input where they fit in the longest one's length, each attending only to itself with its "
+        "positions restarting at 0: every hidden state, loss and gradient is the unpacked one's (up to float "
+        "rounding) while the draft's layers run over less padding: 1.14x faster steps for the shipped config "
+        "(BENCHMARKS.md section 7). false = one "
+        "sequence per row, right-padded to the longest. An online teacher's forward keeps the unpacked input.",
+        run_only=True,
+    )
+    loss_gradient: Literal["auto", "autograd"] = opt(
+        "auto",
+        "How the gradient of the loss with respect to the draft's logits is computed, in the blocks of "
+        "train.logits_block_rows: `auto` = in closed form where one exists (forward KL on the cached top-k "
+        "rows, CE, and mixes of the two, at kd_temperature 1), written over the logits' own float copy 64 rows "
+        "at a time while they sit in the processor's cache: for the shipped config 1.03x faster steps and 2.3 GB "
+        "less at the peak (BENCHMARKS.md section 7); autograd for every other loss. `autograd` = always "
+        "through autograd (the reference). Same gradient either way, up to float rounding.",
+        run_only=True,
+    )
     max_seq_len: int = opt(512, "Sequences are cut to this many tokens.", ge=8)
     teacher: Literal["online", "cached"] = opt(
         "online",

@@ -39,10 +39,12 @@ class Parallel:
 class MicroBatch:
     """One padded micro-batch. B sequences of length T, N counted tokens.
 
-    input_ids/attention_mask/loss_mask: int64 [B, T]; positions: int64 [N] position of each counted token in
-    its response (0 = first response token), row-major like `losses.select_labels`; teacher: the cached top-k
-    rows [N, k] or None (online teacher); rows: dataset row indices [B]; parallel: the packed input of a
-    parallel-drafting draft (`distill.train.parallel`), None for an ordinary draft.
+        input_ids/attention_mask/loss_mask: int64 [B, T]; positions: int64 [N] position of each counted token in
+        its response (0 = first response token), row-major like `losses.select_labels`; teacher: the cached top-k
+        rows [N, k] or None (online teacher); rows: dataset row indices [B]; parallel: the packed input of a
+        parallel-drafting draft (`distill.train.parallel`), None for an ordinary draft; packed: an ordinary draft's
+    input with several sequences per row (train.pack_sequences: the view of `build_parallel_view` with k = 1, one
+    prediction per counted token in their order), None when its [B, T] input is used as it is.
     """
 
     input_ids: Tensor
@@ -52,6 +54,7 @@ class MicroBatch:
     teacher: SparseTeacher | None
     rows: Tensor
     parallel: ParallelView | None = None
+    packed: ParallelView | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +75,7 @@ class MicroBatch:
             t,
             self.rows.to(device),
             None if self.parallel is None else self.parallel.to(device),
+            None if self.packed is None else self.packed.to(device),
         )
 
 
@@ -103,8 +107,11 @@ class DistillRows(Dataset):
         return item
 
 
-def collate_micro(items: list[dict[str, Any]], pad_id: int, parallel: Parallel | None = None) -> MicroBatch:
-    """Right-pad a list of rows into one `MicroBatch` (padding: attention 0, loss 0)."""
+def collate_micro(
+    items: list[dict[str, Any]], pad_id: int, parallel: Parallel | None = None, pack: bool = False
+) -> MicroBatch:
+    """Right-pad a list of rows into one `MicroBatch` (padding: attention 0, loss 0); with `pack`, the draft's
+    input also packs several rows into one where they fit (`distill.train.parallel.pack_rows`)."""
     t_max = max(len(it["input_ids"]) for it in items)
     b = len(items)
     ids = torch.full((b, t_max), pad_id, dtype=torch.long)
@@ -124,7 +131,7 @@ def collate_micro(items: list[dict[str, Any]], pad_id: int, parallel: Parallel |
             rest_logmass=torch.cat([it["topk"][2] for it in items]),
         )
     rows = torch.tensor([it["row"] for it in items], dtype=torch.long)
-    view = None
+    view = packed = None
     if parallel is not None:
         view = build_parallel_view(
             ids,
@@ -135,16 +142,27 @@ def collate_micro(items: list[dict[str, Any]], pad_id: int, parallel: Parallel |
             pad_id=pad_id,
             row_ids=rows.tolist(),
             mask_fraction=parallel.mask_fraction,
+            pack=pack,
         )
-    return MicroBatch(ids, attn, mask, positions, teacher, rows, view)
+    elif pack:
+        packed = build_parallel_view(ids, attn, mask, k=1, mask_token_id=pad_id, pad_id=pad_id, pack=True)
+        if packed.predict_at.numel() != positions.numel():  # a counted first token has no prediction
+            packed = None
+    return MicroBatch(ids, attn, mask, positions, teacher, rows, view, packed)
 
 
 def collate_step(
-    items: list[dict[str, Any]], *, micro_batch: int, pad_id: int, parallel: Parallel | None = None
+    items: list[dict[str, Any]],
+    *,
+    micro_batch: int,
+    pad_id: int,
+    parallel: Parallel | None = None,
+    pack: bool = False,
 ) -> list[MicroBatch]:
     """One optimizer step's rows -> micro-batches of `micro_batch` rows, each padded to its own length."""
     return [
-        collate_micro(items[i : i + micro_batch], pad_id, parallel) for i in range(0, len(items), micro_batch)
+        collate_micro(items[i : i + micro_batch], pad_id, parallel, pack)
+        for i in range(0, len(items), micro_batch)
     ]
 
 
@@ -238,6 +256,7 @@ class DistillDataModule(L.LightningDataModule):
         seed: int,
         num_workers: int = 0,
         parallel: Parallel | None = None,
+        pack: bool = False,
     ):
         super().__init__()
         self.run_dir = Path(run_dir)
@@ -249,6 +268,7 @@ class DistillDataModule(L.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.parallel = parallel
+        self.pack = pack  # train.pack_sequences
         self.train_rows: DistillRows | None = None
         self.val_rows: DistillRows | None = None
 
@@ -283,7 +303,11 @@ class DistillDataModule(L.LightningDataModule):
             sampler=sampler,
             drop_last=True,
             collate_fn=partial(
-                collate_step, micro_batch=self.batch_size, pad_id=self.pad_id, parallel=self.parallel
+                collate_step,
+                micro_batch=self.batch_size,
+                pad_id=self.pad_id,
+                parallel=self.parallel,
+                pack=self.pack,
             ),
             num_workers=self.num_workers,
         )
@@ -293,7 +317,9 @@ class DistillDataModule(L.LightningDataModule):
         world, rank = self._world()
         # Validation measures every mask group (the subsampling only saves training compute).
         full = None if self.parallel is None else replace(self.parallel, mask_fraction=1.0)
-        return val_loader(self.val_rows, self.batch_size, self.pad_id, world=world, rank=rank, parallel=full)
+        return val_loader(
+            self.val_rows, self.batch_size, self.pad_id, world=world, rank=rank, parallel=full, pack=self.pack
+        )
 
 
 def val_loader(
@@ -304,6 +330,7 @@ def val_loader(
     world: int = 1,
     rank: int = 0,
     parallel: Parallel | None = None,
+    pack: bool = False,
 ) -> DataLoader:
     """Validation rows of this rank (every row exactly once over all ranks, so summed figures are exact)."""
     shard = DistillRows(rows.ds, rows.cache, rows.max_seq_len, rows.indices[rank::world])
@@ -311,5 +338,5 @@ def val_loader(
         shard,
         batch_size=batch_size,
         shuffle=False,
-        collate_fn=partial(collate_step, micro_batch=batch_size, pad_id=pad_id, parallel=parallel),
+        collate_fn=partial(collate_step, micro_batch=batch_size, pad_id=pad_id, parallel=parallel, pack=pack),
     )

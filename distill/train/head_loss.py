@@ -11,7 +11,11 @@ that of one block whatever P is.
 
 `chunked_head_loss` computes the gradients with respect to the hidden states and the head's weight block by
 block in its forward pass (the matmuls of the unblocked forward and backward, no more) and keeps only those two,
-[P, hidden] and [vocab, hidden]: the micro-batch still has one backward call, as DDP expects.
+[P, hidden] and [vocab, hidden]: the micro-batch still has one backward call, as DDP expects. The gradient
+with respect to a block's logits comes from autograd through the loss (`autograd_row_grad`) or, for the
+forward KL and CE of `distill.losses.has_closed_form`, from its closed form, written over the logits' own
+float copy a few dozen rows at a time while they are in the processor's cache: 1.5x faster head and loss on
+the shipped config (BENCHMARKS.md, section 7).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 # logits of the rows [start, end) -> their per-row loss [end - start]
 RowLoss = Callable[[Tensor, int, int], Tensor]
+# logits of the rows [start, end) -> (their per-row loss [end - start], its gradient w.r.t. the logits)
+RowGrad = Callable[[Tensor, int, int], tuple[Tensor, Tensor]]
 
 
 def blocks(n: int, rows: int) -> list[tuple[int, int]]:
@@ -34,27 +39,48 @@ def blocks(n: int, rows: int) -> list[tuple[int, int]]:
     return [(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
+def autograd_row_grad(row_loss: RowLoss) -> RowGrad:
+    """A `RowGrad` from any per-row loss, its gradient by autograd."""
+
+    def row_grad(logits: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
+        with torch.enable_grad():
+            x = logits.detach().requires_grad_()
+            loss = row_loss(x, start, end)
+            (grad,) = torch.autograd.grad(loss.sum(), x)
+        return loss.detach(), grad
+
+    return row_grad
+
+
+def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The head matmul's dtype: autocast's when it is on (as `head(hidden)` would run), else the weight's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: Tensor, weight: Tensor, row_loss: RowLoss, rows: int
+        ctx: Any, hidden: Tensor, weight: Tensor, row_grad: RowGrad, rows: int
     ) -> Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = compute_dtype(hidden, weight)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        for start, end in blocks(hidden.shape[0], rows):
-            with torch.enable_grad():
-                h = hidden[start:end].detach().requires_grad_(need_h)
-                w = weight.detach().requires_grad_(need_w)
-                loss = row_loss(F.linear(h, w), start, end).sum()
-                wanted = [x for x in (h, w) if x.requires_grad]
-                grads = list(torch.autograd.grad(loss, wanted)) if wanted else []
-            if grad_h is not None:
-                grad_h[start:end] = grads.pop(0)
-            if grad_w is not None:
-                grad_w += grads.pop(0)
-            total += loss.detach().float()
+        w = weight.detach().to(dtype)  # cast once for all blocks and both products
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start, end in blocks(hidden.shape[0], rows):
+                h = hidden[start:end].detach().to(dtype)
+                loss, grad = row_grad(h @ w.T, start, end)
+                grad = grad.to(dtype)
+                if grad_h is not None:
+                    grad_h[start:end] = grad @ w
+                if grad_w is not None:
+                    grad_w += grad.T @ h
+                total += loss.sum().float()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -67,15 +93,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return gh, gw, None, None
 
 
-def chunked_head_loss(hidden: Tensor, weight: Tensor, row_loss: RowLoss, rows: int) -> Tensor:
-    """Sum over the P rows of `row_loss(hidden @ weight.T)`, computed `rows` rows at a time (module docstring).
+def chunked_head_loss(hidden: Tensor, weight: Tensor, row_grad: RowGrad, rows: int) -> Tensor:
+    """Sum over the P rows of a loss of `hidden @ weight.T`, computed `rows` rows at a time (module docstring).
 
     hidden [P, H]: the draft's last hidden states at its predictions; weight [V', H]: the output head's (a
-    bias-free linear head: logits = hidden @ weight.T, V' may exceed the tokenizer, `row_loss` cuts it);
-    row_loss(logits [m, V'], start, end) -> per-row loss [m] for rows [start, end). Returns a float32 scalar
-    whose backward gives the exact gradient of the summed loss with respect to hidden and weight (float
-    rounding aside: blocks sum the weight gradient in another order). Under autocast the head's matmul runs in
-    the autocast dtype, as `head(hidden)` would.
+    bias-free linear head: logits = hidden @ weight.T, V' may exceed the tokenizer, `row_grad` cuts it);
+    row_grad(logits [m, V'], start, end) -> (per-row loss [m], its gradient with respect to the logits
+    [m, V']) for rows [start, end): `autograd_row_grad(row_loss)` for any loss, or a closed form. Returns a
+    float32 scalar whose backward gives the exact gradient of the summed loss with respect to hidden and
+    weight (float rounding aside: blocks sum the weight gradient in another order). Under autocast the head's
+    matmuls run in the autocast dtype, as `head(hidden)` and its backward would.
     """
-    out: Tensor = _ChunkedHeadLoss.apply(hidden, weight, row_loss, rows)
+    out: Tensor = _ChunkedHeadLoss.apply(hidden, weight, row_grad, rows)
     return out

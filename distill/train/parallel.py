@@ -90,6 +90,24 @@ def _row_layout(
     return anchors, masks
 
 
+def pack_rows(footprints: list[int], pack: bool) -> tuple[list[tuple[int, int]], list[int]]:
+    """Where each sequence goes: its (row, offset) and every row's filled length, in rows as long as the
+    longest footprint. Unpacked, sequence r fills row r from 0; packed, sequences share rows by first fit in
+    order of decreasing footprint, so the rows hold less padding (their attention keeps them apart)."""
+    if not pack:
+        return [(r, 0) for r in range(len(footprints))], list(footprints)
+    length = max(footprints, default=0)
+    place = [(0, 0)] * len(footprints)
+    filled: list[int] = []
+    for r in sorted(range(len(footprints)), key=lambda r: -footprints[r]):
+        row = next((i for i, used in enumerate(filled) if used + footprints[r] <= length), len(filled))
+        if row == len(filled):
+            filled.append(0)
+        place[r] = (row, filled[row])
+        filled[row] += footprints[r]
+    return place, filled
+
+
 def build_parallel_view(
     input_ids: Tensor,
     attention_mask: Tensor,
@@ -100,12 +118,16 @@ def build_parallel_view(
     pad_id: int,
     row_ids: list[int] | None = None,
     mask_fraction: float = 1.0,
+    pack: bool = False,
 ) -> ParallelView:
     """Pack a right-padded micro-batch ([B, T] each) for k-token parallel drafting (module docstring).
 
     `mask_fraction` < 1 trains the mask groups of that share of anchors only (chosen per dataset row id and
     anchor), cutting the vocabulary-sized work of a step from about k x to 1 + (k - 1) x fraction of an
-    ordinary draft's.
+    ordinary draft's. `pack` puts several sequences (each with its mask groups) in one row where they fit
+    (`pack_rows`): each sees only itself, positions restart at 0 for each, so every hidden state equals the
+    unpacked one's while the padding the draft's layers run over shrinks (train.pack_sequences). The
+    predictions keep their order either way.
     """
     b = input_ids.shape[0]
     ids_of_rows = row_ids if row_ids is not None else list(range(b))
@@ -113,38 +135,42 @@ def build_parallel_view(
     for r in range(b):
         n = int(attention_mask[r].sum())
         layouts.append((n, *_row_layout(loss_mask[r, :n].tolist(), k, ids_of_rows[r], mask_fraction)))
-    length = max(n + len(masks) for n, _, masks in layouts)
-    ids = torch.full((b, length), pad_id, dtype=torch.long)
-    pos = torch.zeros((b, length), dtype=torch.long)
-    attn = torch.zeros((b, 1, length, length), dtype=torch.bool)
+    place, filled = pack_rows([n + len(masks) for n, _, masks in layouts], pack)
+    rows, length = len(filled), max(filled)
+    ids = torch.full((rows, length), pad_id, dtype=torch.long)
+    pos = torch.zeros((rows, length), dtype=torch.long)
+    attn = torch.zeros((rows, 1, length, length), dtype=torch.bool)
     predict_at, target_index, draft_position, anchor_of = [], [], [], []
     counted_before = 0
     for r, (n, anchors, masks) in enumerate(layouts):
-        ids[r, :n] = input_ids[r, :n]
-        pos[r, :n] = torch.arange(n)
-        attn[r, 0, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        row, off = place[r]
+        ids[row, off : off + n] = input_ids[r, :n]
+        pos[row, off : off + n] = torch.arange(n)
+        attn[row, 0, off : off + n, off : off + n] = torch.ones(n, n, dtype=torch.bool).tril()
         group_start: dict[int, int] = {}
         anchor_index: dict[int, int] = {}
         for a, i, _ in anchors:
             anchor_index[a] = counted_before + i
-            predict_at.append(r * length + a)
+            predict_at.append(row * length + off + a)
             target_index.append(counted_before + i)
             draft_position.append(0)
             anchor_of.append(counted_before + i)
         for a, j, target, slot in masks:
-            start = group_start.setdefault(a, slot)
-            ids[r, slot] = mask_token_id
-            pos[r, slot] = a + j
-            attn[r, 0, slot, : a + 1] = True
-            attn[r, 0, slot, start : slot + 1] = True
-            predict_at.append(r * length + slot)
+            start = off + group_start.setdefault(a, slot)
+            at = off + slot
+            ids[row, at] = mask_token_id
+            pos[row, at] = a + j
+            attn[row, 0, at, off : off + a + 1] = True
+            attn[row, 0, at, start : at + 1] = True
+            predict_at.append(row * length + at)
             target_index.append(counted_before + target)
             draft_position.append(j)
             anchor_of.append(anchor_index[a])
-        # Padding queries attend to themselves only, so no attention row is empty (softmax of nothing = NaN).
-        for q in range(n + len(masks), length):
-            attn[r, 0, q, q] = True
         counted_before += int(loss_mask[r, :n].sum())
+    # Padding queries attend to themselves only, so no attention row is empty (softmax of nothing = NaN).
+    for row, used in enumerate(filled):
+        for q in range(used, length):
+            attn[row, 0, q, q] = True
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return ParallelView(
         ids,

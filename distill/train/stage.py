@@ -405,6 +405,7 @@ def build_module(cfg: Config, draft: Any, teacher: Any | None, spec: LossSpec, v
         hparams=hparams,
         history_path=train_dir(cfg.run_dir) / "val_history.json",
         block_rows=t.logits_block_rows,
+        closed_form=t.loss_gradient == "auto",
     )
 
 
@@ -422,6 +423,7 @@ def build_datamodule(cfg: Config, pad_id: int, parallel: Any = None) -> Any:
         seed=cfg.run.seed,
         num_workers=t.num_workers,
         parallel=parallel,
+        pack=t.pack_sequences,
     )
 
 
@@ -508,7 +510,9 @@ def _baseline(
     figures = evaluate_draft(
         draft,
         teacher,
-        val_loader(rows, cfg.train.batch_size, pad_id, parallel=parallel_of(draft)),
+        val_loader(
+            rows, cfg.train.batch_size, pad_id, parallel=parallel_of(draft), pack=cfg.train.pack_sequences
+        ),
         plan.spec,
         eval_temperature=cfg.train.eval_temperature,
         vocab=vocab,
