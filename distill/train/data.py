@@ -39,12 +39,12 @@ class Parallel:
 class MicroBatch:
     """One padded micro-batch. B sequences of length T, N counted tokens.
 
-        input_ids/attention_mask/loss_mask: int64 [B, T]; positions: int64 [N] position of each counted token in
-        its response (0 = first response token), row-major like `losses.select_labels`; teacher: the cached top-k
-        rows [N, k] or None (online teacher); rows: dataset row indices [B]; parallel: the packed input of a
-        parallel-drafting draft (`distill.train.parallel`), None for an ordinary draft; packed: an ordinary draft's
-    input with several sequences per row (train.pack_sequences: the view of `build_parallel_view` with k = 1, one
-    prediction per counted token in their order), None when its [B, T] input is used as it is.
+    input_ids/attention_mask/loss_mask: int64 [B, T]; positions: int64 [N] position of each counted token in
+    its response (0 = first response token), row-major like `losses.select_labels`; teacher: the cached top-k
+    rows [N, k] or None (online teacher); rows: dataset row indices [B]; parallel: the packed input of a
+    parallel-drafting draft (`distill.train.parallel`), None for an ordinary draft; packed: an ordinary
+    draft's input with several sequences per row (train.pack_sequences: the view of `build_parallel_view`
+    with k = 1, one prediction per counted token, in their order), None when its [B, T] input is used as is.
     """
 
     input_ids: Tensor
