@@ -138,6 +138,15 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
     return f"{title}\n\n{markdown_table(header, rows)}{note}"
 
 
+def comma_choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str] | None:
+    """The values of a comma list option, each one of `allowed`; None (the reason on stderr) otherwise."""
+    values = [x.strip().lower() for x in text.split(",") if x.strip()]
+    if not values or any(v not in allowed for v in values):
+        print(f"{flag}: expected a comma list of {', '.join(allowed)}; got {text!r}", file=sys.stderr)
+        return None
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-sharegpt.yaml")
@@ -178,16 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             f"--block-rows: expected a comma list of integers >= 0, got {args.block_rows!r}", file=sys.stderr
         )
         return 2
-    gradients = [x.strip() for x in args.loss_gradient.split(",") if x.strip()]
-    if not gradients or any(g not in ("auto", "autograd") for g in gradients):
-        print(
-            f"--loss-gradient: expected a comma list of auto, autograd; got {args.loss_gradient!r}",
-            file=sys.stderr,
-        )
-        return 2
-    packs = [x.strip().lower() for x in args.pack.split(",") if x.strip()]
-    if not packs or any(x not in ("true", "false") for x in packs):
-        print(f"--pack: expected a comma list of true, false; got {args.pack!r}", file=sys.stderr)
+    gradients = comma_choices(args.loss_gradient, ("auto", "autograd"), "--loss-gradient")
+    packs = comma_choices(args.pack, ("true", "false"), "--pack")
+    if gradients is None or packs is None:
         return 2
     triples = [(rows, grad, pack == "true") for pack in packs for grad in gradients for rows in settings]
     data = complete_data(args.run_dir, args.config)
