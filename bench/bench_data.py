@@ -10,6 +10,10 @@
     .venv/bin/python -m bench.bench_data --prompts 64                  # bench/out/data.{json,md}
     .venv/bin/python -m bench.bench_data --skip-vllm --prompts 16 --max-new-tokens 64 --repeats 1   # quick
 
+`--eager-study` compares vLLM generation compiled vs eager; `--batch-sizes 64,128,256` compares vLLM generation
+at those `data.batch_size` values with the shipped config's teacher cache (top-k log-probs from vLLM) included,
+as the demo's data stage runs, the ratios taken against the first size.
+
 Slow: vLLM start-up alone is 1-2 minutes on a busy 2-core CPU, and each of the --repeats (default 3) passes
 starts it again. Every figure printed is measured here.
 """
@@ -75,6 +79,9 @@ def run_stage(
 ) -> dict[str, Any]:
     from distill.cli import main
 
+    # Generation speed alone, unless a study asks for the shipped config's teacher cache (the cache's size is
+    # measured separately, by cache_sizes).
+    no_cache = () if getattr(args, "batch_sizes", None) else ("data.logits.top_k=0",)
     overrides = [
         f"run.dir={run_dir}",
         f"data.engine={engine}",
@@ -84,7 +91,7 @@ def run_stage(
         f"data.batch_size={args.batch_size}",
         "data.temperature=0",
         f"target.dtype={args.dtype}",
-        "data.logits.top_k=0",  # generation speed alone; the cache is measured separately below
+        *no_cache,
         *extra,
     ]
     t0 = time.perf_counter()
@@ -164,6 +171,25 @@ def eager_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     summary["compiled_over_eager"] = ratio["median"]
     summary["compiled_over_eager_per_repeat"] = ratio
     summary["identical_responses"] = round(agreement(work / "compiled-0", work / "eager-0"), 3)
+    return summary
+
+
+def batch_name(size: int) -> str:
+    return f"batch-{size}"
+
+
+def batch_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM generation at each of `args.batch_sizes` (`data.batch_size`: the prompts one `LLM.generate` call
+    holds), `--repeats` passes each (run_passes); the ratio of each size's tokens/s to the first size's, per
+    repeat."""
+    names = {batch_name(b): b for b in args.batch_sizes}
+    passes = run_passes(work, args, {n: ("vllm", (f"data.batch_size={b}",)) for n, b in names.items()})
+    summary: dict[str, Any] = {"passes": passes, "sizes": list(args.batch_sizes)}
+    first = batch_name(args.batch_sizes[0])
+    for name, rows in passes.items():
+        summary[name] = summarize(rows)
+        if name != first:
+            summary[name]["over_first_per_repeat"] = ratio_per_repeat(rows, passes[first])
     return summary
 
 
@@ -282,6 +308,18 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"{results['dtype']}, batch {results['batch_size']}; {results['repeats']} pass(es) per mode, the modes "
         "alternating in order, each pass a fresh run folder and engine."
     )
+    if "batch_study" in results:
+        b = results["batch_study"]
+        names = [batch_name(x) for x in b["sizes"]]
+        setup = setup.replace(f"batch {results['batch_size']}", "the shipped config's top-k cache from vLLM")
+        return "\n\n".join(
+            [
+                "### Data stage: vLLM generation by batch size (`data.batch_size`)",
+                markdown_table(SPEED_HEADER, _speed_rows(b, names)),
+                "; ".join(_ratio_line(f"{n} / {names[0]}", b[n]["over_first_per_repeat"]) for n in names[1:]),
+                setup,
+            ]
+        )
     if "eager_study" in results:
         e = results["eager_study"]
         return "\n\n".join(
@@ -347,6 +385,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="only compare vLLM generation eager vs compiled (data.vllm_enforce_eager), --repeats times each",
     )
     p.add_argument(
+        "--batch-sizes",
+        type=int_list,
+        default=None,
+        help="only compare vLLM generation at these data.batch_size values (e.g. 64,128,256), the shipped "
+        "config's teacher cache included; --repeats passes each",
+    )
+    p.add_argument(
         "--repeats",
         type=positive_int,
         default=3,
@@ -356,7 +401,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="the JSON (its .md beside it); default bench/out/data.json (data-eager-study.json)",
+        help="the JSON (its .md beside it); default bench/out/data.json (data-eager-study.json, data-batch-study.json)",
     )
     p.add_argument(
         "--workdir",
@@ -365,8 +410,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="keep run folders here, a new or empty one (default: a temp dir)",
     )
     args = p.parse_args(argv)
+    if args.batch_sizes is not None:
+        if len(set(args.batch_sizes)) != len(args.batch_sizes) or len(args.batch_sizes) < 2:
+            p.error(f"--batch-sizes: {args.batch_sizes}: give two or more different sizes, e.g. 64,128")
+        if args.eager_study:
+            p.error("--batch-sizes: give it or --eager-study, not both")
     if args.out is None:
-        args.out = OUT_DIR / ("data-eager-study.json" if args.eager_study else "data.json")
+        stem = "data-batch-study" if args.batch_sizes else "data-eager-study" if args.eager_study else "data"
+        args.out = OUT_DIR / f"{stem}.json"
     if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
         # A finished build there makes `distill data` report "already complete" and the bench would report
         # that old manifest's tokens/s as new.
@@ -389,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = args.workdir or Path(tmp)
         try:
-            if args.eager_study:
+            if args.batch_sizes:
+                results["batch_study"] = batch_study(work, args)
+            elif args.eager_study:
                 results["eager_study"] = eager_study(work, args)
             else:
                 results["generation"] = engine_study(work, args)

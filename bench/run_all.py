@@ -58,6 +58,8 @@ FULL_RUNS: dict[str, dict[str, list[str]]] = {
         # and dtype, 2 alternated passes per mode.
         "eager-study": ["--eager-study", "--prompts", "256", "--batch-size", "64", "--dtype", "bfloat16",
                         "--repeats", "2"],
+        # Prompts per generation call (data.batch_size) with the shipped top-k cache, as the demo generates.
+        "batch-study": ["--batch-sizes", "64,128,256", "--prompts", "256", "--dtype", "bfloat16", "--repeats", "2"],
     },
     "bench_train": {
         "speed": ["--only", "speed", "--target", "smollm2-135m-instruct", "--draft-layers", "2",

@@ -146,3 +146,49 @@ def test_an_input_error_of_distill_data_keeps_exit_2(monkeypatch, tmp_path, caps
     assert bench_data.main(["--repeats", "1", "--out", str(tmp_path / "data.json")]) == 2
     assert "engine=hf failed (exit 2)" in capsys.readouterr().err
     assert not (tmp_path / "data.json").exists()
+
+
+def test_batch_study_keeps_the_teacher_cache_and_compares_each_size_to_the_first(monkeypatch, tmp_path):
+    calls: list[tuple[str, tuple[str, ...]]] = []
+    # batch-64-0, batch-128-0 | batch-128-1, batch-64-1
+    monkeypatch.setattr(bench_data, "run_stage", _fake_stage([500.0, 600.0, 560.0, 400.0], calls))
+    out = tmp_path / "b.json"
+    assert bench_data.main(["--batch-sizes", "64,128", "--repeats", "2", "--out", str(out)]) == 0
+    assert calls == [
+        ("batch-64-0", ("data.batch_size=64",)),
+        ("batch-128-0", ("data.batch_size=128",)),
+        ("batch-128-1", ("data.batch_size=128",)),
+        ("batch-64-1", ("data.batch_size=64",)),
+    ]
+    b = json.loads(out.read_text())["batch_study"]
+    assert b["sizes"] == [64, 128] and "over_first_per_repeat" not in b["batch-64"]
+    assert b["batch-128"]["over_first_per_repeat"] == {
+        "median": 1.3,
+        "min": 1.2,
+        "max": 1.4,
+        "n": 2,
+        "spread_pct": 15.4,
+    }
+    md = (tmp_path / "b.md").read_text()
+    assert "batch-128 / batch-64 tokens/s, per repeat: **1.30x** (1.20–1.40, n=2)" in md
+    assert "the shipped config's top-k cache from vLLM" in md
+
+
+def test_only_the_batch_study_keeps_the_shipped_teacher_cache(monkeypatch, tmp_path):
+    import distill.cli
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(distill.cli, "main", lambda argv: seen.append(argv) or 2)
+    for extra in ([], ["--batch-sizes", "64,128"]):
+        bench_data.main(["--repeats", "1", *extra, "--out", str(tmp_path / "x.json")])
+    assert "data.logits.top_k=0" in seen[0] and not any(a.startswith("data.logits") for a in seen[1])
+
+
+@pytest.mark.parametrize(
+    "sizes", [["--batch-sizes", "64"], ["--batch-sizes", "64,64"], ["--batch-sizes", "64,0"]]
+)
+def test_bad_batch_sizes_are_exit_2_before_any_generation(monkeypatch, tmp_path, capsys, sizes):
+    monkeypatch.setattr(bench_data, "run_stage", _must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        bench_data.main([*sizes, "--out", str(tmp_path / "b.json")])
+    assert exc.value.code == 2 and "--batch-sizes" in capsys.readouterr().err
