@@ -101,6 +101,14 @@ RECIPES: dict[str, list[str]] = {
         "draft.num_layers=5",
         "draft.layers=[0,1,16,17,18]",
     ],
+    # The shipped induction-layer recipe at twice its peak learning rate: its 160-step schedule is half the one
+    # lr 4e-3 was chosen on.
+    "pard4-lr8e-3-layers-induction": [
+        *PARD4[:-1],
+        "train.lr=8e-3",
+        "draft.num_layers=5",
+        "draft.layers=[0,1,16,17,18]",
+    ],
     # A 300-step schedule may be too short for lr 1e-3 to settle: a larger peak learning rate.
     "pard4-lr2e-3": [*PARD4[:-1], "train.lr=2e-3"],
     "pard4-lr4e-3": [*PARD4[:-1], "train.lr=4e-3"],
