@@ -73,6 +73,7 @@ def test_vllm_job_and_env(tmp_path):
     assert job["kind"] == "generate" and job["enforce_eager"] is True
     assert job["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 32, "n": 3, "logprobs": None}
     assert job["max_model_len"] == 64 + 32
+    assert job["max_in_flight"] == cfg.data.batch_size
     assert job["chunks"][0]["prompts"][0] == {
         "prompt_id": "p1",
         "token_ids": [1, 2, 3],
@@ -98,6 +99,7 @@ def test_data_hash_ignores_run_only_keys():
         "data.logits.batch_size=2",
         "data.tensor_parallel_size=2",
         "data.vllm_enforce_eager=false",
+        "data.vllm_stream=false",
     ]
     b = load_config(CONFIG, same)
     assert data_hash(a) != data_hash(b)  # num_shards changes the layout

@@ -60,7 +60,11 @@ class DataConfig:
         "generate", "`generate` = target-written responses; `dataset` = keep the dataset's own responses."
     )
     batch_size: int = opt(
-        64, "Prompts per generation batch; also the unit of resumption (one atomic chunk each).", ge=1
+        64,
+        "Prompts per generation batch: vLLM keeps this many requests in flight (across batches with "
+        "data.vllm_stream); also the unit of resumption (each batch is one atomic chunk, written when its last "
+        "response is done).",
+        ge=1,
     )
     tensor_parallel_size: int = opt(1, "vLLM tensor parallelism for generation.", ge=1, run_only=True)
     data_parallel_size: int = opt(
@@ -94,6 +98,14 @@ class DataConfig:
         "(needs a C++ compiler), CUDA graphs on GPU; on the 2-core CPU 1.11x the eager rate but ~50 s more "
         "start-up, a gain from about 250k generated tokens on (BENCHMARKS.md section 6). true: eager, for small "
         "or one-off builds.",
+        run_only=True,
+    )
+    vllm_stream: bool = opt(
+        True,
+        "true: vLLM keeps data.batch_size requests in flight across batches, a finished request's slot going "
+        "to the next batch's next prompt at once, and writes each batch when its last response is done. "
+        "false: one generate call per batch, whose batch drains at each batch's end while its longest "
+        "responses finish (the behaviour before 2026-12-07; for comparison, BENCHMARKS.md section 6).",
         run_only=True,
     )
     worker_timeout_s: float = opt(

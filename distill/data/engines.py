@@ -169,6 +169,9 @@ def vllm_job(
         "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization if on_gpu else None,
         "trust_remote_code": trust_remote_code,
         "enforce_eager": cfg.vllm_enforce_eager,
+        # Requests the worker keeps in the engine at once; across chunk boundaries unless `stream` is off.
+        "max_in_flight": cfg.batch_size,
+        "stream": cfg.vllm_stream,
         "sampling": {
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,

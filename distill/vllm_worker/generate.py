@@ -1,13 +1,16 @@
-"""Worker job "generate": the target writes responses with vLLM's offline `LLM.generate` (data stage).
+"""Worker job "generate": the target writes responses with vLLM's offline engine (data stage).
 
 Job (JSON): {"kind": "generate", "model": DIR, "dtype": str, "seed": int, "max_model_len": int,
 "tensor_parallel_size": int, "data_parallel_size": int, "gpu_memory_utilization": float,
-"trust_remote_code": bool, "enforce_eager": bool,
+"trust_remote_code": bool, "enforce_eager": bool, "max_in_flight": int, "stream": bool,
 "sampling": {"temperature", "top_p", "max_tokens", "n", "logprobs": int | null},
 "chunks": [{"out": PATH, "prompts": [{"prompt_id": str, "token_ids": [int], "seed": int | null}]}]}
 
-Each chunk's result is written atomically to its `out` path as soon as it is generated, so a killed worker
-loses at most the chunk in flight: {"responses": [[{"token_ids": [int], "finish_reason": str}] * n] per prompt,
+Requests stream through one engine, `max_in_flight` at a time (the data stage's `data.batch_size`), refilled
+from the next chunks as they finish (`ChunkStream`; with "stream": false a chunk's requests are submitted only
+once the previous chunk is done, as one generate call per chunk would). Each chunk's result is written
+atomically to its `out` path as soon as its last request is done, so a killed worker loses only the chunks not
+yet written: {"responses": [[{"token_ids": [int], "finish_reason": str}] * n] per prompt,
 "gen_s": float, "engine": "vllm", "engine_version": str}. Chunks whose `out` exists are skipped.
 With `sampling.logprobs = k` each response also carries the target's top-k at every generated position:
 "topk_ids": [[int] * k] and "topk_logprobs": [[float] * k] (descending; vLLM's raw log-probs, i.e. the model's
@@ -116,15 +119,88 @@ def _completion(c: Any, k: int) -> dict[str, Any]:
     return out
 
 
-def _generate_chunk(llm: Any, job: dict[str, Any], chunk: dict[str, Any], version: str) -> int:
-    from vllm.inputs import TokensPrompt
+def _final_only(params: Any) -> Any:
+    """Have the engine report a request once, when it is finished (what `LLM.generate` asks for too)."""
+    from vllm.sampling_params import RequestOutputKind
 
-    prompts = [TokensPrompt(prompt_token_ids=list(p["token_ids"])) for p in chunk["prompts"]]
-    params = [_sampling_params(job, p.get("seed")) for p in chunk["prompts"]]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    gen_s = time.perf_counter() - start
-    k = int(job["sampling"].get("logprobs") or 0)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
+
+
+class ChunkStream:
+    """Keeps `max_in_flight` requests in the engine across chunk boundaries and writes each chunk when its last
+    request finishes.
+
+    One `LLM.generate` call per chunk drains the batch at every chunk's end: the requests that stop early leave
+    the engine running fewer and fewer sequences until the longest one finishes. Here a finished request's slot
+    goes to the next chunk's next prompt at once, so the batch stays full until the last chunk, while each chunk
+    is still written atomically on its own (the unit of resumption). Chunks finish about in order; a killed
+    worker loses only the chunks not yet written. `gen_s` of a chunk is the wall time since the previous chunk
+    was written (the first: since the first request), so the chunks' `gen_s` add up to the generation time.
+
+    `engine` is vLLM's `LLMEngine` (`add_request(id, prompt, params)`, `step()` -> finished `RequestOutput`s);
+    `request` builds a request's prompt and params, `write` stores a finished chunk. `across_chunks=False`
+    submits a chunk only once the engine is empty: one generate call per chunk, for comparison.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        chunks: list[dict[str, Any]],
+        max_in_flight: int,
+        request: Any,
+        write: Any,
+        across_chunks: bool = True,
+    ) -> None:
+        self.engine, self.chunks, self.max_in_flight = engine, chunks, max_in_flight
+        self.request, self.write, self.across_chunks = request, write, across_chunks
+        self.queue = [(c, i) for c, chunk in enumerate(chunks) for i in range(len(chunk["prompts"]))]
+        self.queue.reverse()  # popped from the end: chunk 0's first prompt first
+        self.results: list[list[Any]] = [[None] * len(chunk["prompts"]) for chunk in chunks]
+        self.left = [len(chunk["prompts"]) for chunk in chunks]
+        self.in_flight: set[str] = set()
+        self.last_chunk = -1  # the chunk of the last request submitted
+        self.chunks_written = 0
+
+    def _refill(self) -> None:
+        while self.queue and len(self.in_flight) < self.max_in_flight:
+            c, i = self.queue[-1]
+            if not self.across_chunks and self.in_flight and c != self.last_chunk:
+                break  # the next chunk waits until this one is done
+            self.last_chunk = c
+            self.queue.pop()
+            request_id = f"distill-{c}-{i}"
+            prompt, params = self.request(self.chunks[c]["prompts"][i])
+            self.engine.add_request(request_id, prompt, params)
+            self.in_flight.add(request_id)
+
+    def run(self, keep_going: Any = lambda: True) -> int:
+        """Generate every chunk; returns how many were written. Stops early (writing nothing partial) when
+        `keep_going()` turns false."""
+        last = time.perf_counter()
+        self._refill()
+        while self.in_flight:
+            if not keep_going():
+                break
+            for out in self.engine.step():
+                if not out.finished or out.request_id not in self.in_flight:
+                    continue
+                self.in_flight.discard(out.request_id)
+                _, c, i = out.request_id.rsplit("-", 2)
+                c, i = int(c), int(i)
+                self.results[c][i] = out
+                self.left[c] -= 1
+                if self.left[c] == 0:
+                    now = time.perf_counter()
+                    self.write(self.chunks[c], self.results[c], now - last)
+                    self.results[c] = []  # written: free its outputs (log-probs are large)
+                    self.chunks_written += 1
+                    last = now
+            self._refill()
+        return self.chunks_written
+
+
+def _write_chunk(chunk: dict[str, Any], outputs: list[Any], gen_s: float, k: int, version: str) -> int:
     responses = [[_completion(c, k) for c in out.outputs] for out in outputs]
     _write_json_atomic(
         Path(chunk["out"]),
@@ -135,6 +211,7 @@ def _generate_chunk(llm: Any, job: dict[str, Any], chunk: dict[str, Any], versio
 
 def _run_single(job: dict[str, Any]) -> dict[str, Any]:
     import vllm
+    from vllm.inputs import TokensPrompt
 
     parent = os.getppid()
     pending = [c for c in job["chunks"] if not Path(c["out"]).is_file()]
@@ -144,15 +221,30 @@ def _run_single(job: dict[str, Any]) -> dict[str, Any]:
     llm = _build_llm(job)
     startup_s = time.perf_counter() - t0
     print(f"engine ready in {startup_s:.1f} s; {len(pending)} chunks to generate", flush=True)
-    tokens, done = 0, 0
-    for i, chunk in enumerate(pending):
-        if os.getppid() != parent:
-            # The stage was killed (kill -9 skips its cleanup): stop instead of racing the rerun's worker.
-            print("parent process gone; stopping after the chunks already written", flush=True)
-            break
-        tokens += _generate_chunk(llm, job, chunk, vllm.__version__)
-        done += 1
-        print(f"chunk {i + 1}/{len(pending)} done ({tokens} tokens so far)", flush=True)
+    k = int(job["sampling"].get("logprobs") or 0)
+    tokens = 0
+
+    def request(p: dict[str, Any]) -> tuple[Any, Any]:
+        params = _final_only(_sampling_params(job, p.get("seed")))
+        return TokensPrompt(prompt_token_ids=list(p["token_ids"])), params
+
+    def write(chunk: dict[str, Any], outputs: list[Any], gen_s: float) -> None:
+        nonlocal tokens
+        tokens += _write_chunk(chunk, outputs, gen_s, k, vllm.__version__)
+        print(f"chunk {stream.chunks_written + 1}/{len(pending)} done ({tokens} tokens so far)", flush=True)
+
+    def parent_alive() -> bool:
+        if os.getppid() == parent:
+            return True
+        # The stage was killed (kill -9 skips its cleanup): stop instead of racing the rerun's worker.
+        print("parent process gone; stopping after the chunks already written", flush=True)
+        return False
+
+    max_in_flight = int(job.get("max_in_flight") or max(len(c["prompts"]) for c in pending))
+    stream = ChunkStream(
+        llm.llm_engine, pending, max_in_flight, request, write, across_chunks=bool(job.get("stream", True))
+    )
+    done = stream.run(parent_alive)
     return {
         "chunks_done": done,
         "tokens": tokens,
