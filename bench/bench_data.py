@@ -12,7 +12,8 @@
 
 `--eager-study` compares vLLM generation compiled vs eager; `--batch-sizes 64,128,256` compares vLLM generation
 at those `data.batch_size` values with the shipped config's teacher cache (top-k log-probs from vLLM) included,
-as the demo's data stage runs, the ratios taken against the first size.
+as the demo's data stage runs, the ratios taken against the first size; `--stream-study` compares one generate
+call per batch with requests streamed across batches (`data.vllm_stream`), the teacher cache included too.
 
 Slow: vLLM start-up alone is 1-2 minutes on a busy 2-core CPU, and each of the --repeats (default 3) passes
 starts it again. Every figure printed is measured here.
@@ -81,7 +82,8 @@ def run_stage(
 
     # Generation speed alone, unless a study asks for the shipped config's teacher cache (the cache's size is
     # measured separately, by cache_sizes).
-    no_cache = () if getattr(args, "batch_sizes", None) else ("data.logits.top_k=0",)
+    shipped_cache = getattr(args, "batch_sizes", None) or getattr(args, "stream_study", False)
+    no_cache = () if shipped_cache else ("data.logits.top_k=0",)
     overrides = [
         f"run.dir={run_dir}",
         f"data.engine={engine}",
@@ -190,6 +192,28 @@ def batch_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         summary[name] = summarize(rows)
         if name != first:
             summary[name]["over_first_per_repeat"] = ratio_per_repeat(rows, passes[first])
+    return summary
+
+
+def stream_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM generation with one generate call per batch (`per-batch`) vs requests streamed across batches
+    (`streamed`, `data.vllm_stream`), `--repeats` passes each (run_passes); the ratio streamed / per-batch per
+    repeat."""
+    passes = run_passes(
+        work,
+        args,
+        {
+            "per-batch": ("vllm", ("data.vllm_stream=false",)),
+            "streamed": ("vllm", ("data.vllm_stream=true",)),
+        },
+    )
+    summary: dict[str, Any] = {"passes": passes}
+    for mode, rows in passes.items():
+        summary[mode] = summarize(rows)
+    ratio = ratio_per_repeat(passes["streamed"], passes["per-batch"])
+    summary["streamed_over_per_batch"] = ratio["median"]
+    summary["streamed_over_per_batch_per_repeat"] = ratio
+    summary["identical_responses"] = round(agreement(work / "streamed-0", work / "per-batch-0"), 3)
     return summary
 
 
@@ -320,6 +344,22 @@ def render_markdown(results: dict[str, Any]) -> str:
                 setup,
             ]
         )
+    if "stream_study" in results:
+        st = results["stream_study"]
+        setup = setup.replace(
+            f"batch {results['batch_size']}",
+            f"batch {results['batch_size']}, the shipped config's top-k cache",
+        )
+        return "\n\n".join(
+            [
+                "### Data stage: one vLLM generate call per batch vs requests streamed across batches "
+                "(`data.vllm_stream`)",
+                markdown_table(SPEED_HEADER, _speed_rows(st, ["per-batch", "streamed"])),
+                _ratio_line("streamed / per-batch", st["streamed_over_per_batch_per_repeat"])
+                + f"; identical greedy responses (repeat 0): {st['identical_responses']:.0%}.",
+                setup,
+            ]
+        )
     if "eager_study" in results:
         e = results["eager_study"]
         return "\n\n".join(
@@ -392,6 +432,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "config's teacher cache included; --repeats passes each",
     )
     p.add_argument(
+        "--stream-study",
+        action="store_true",
+        help="only compare one vLLM generate call per batch with requests streamed across batches "
+        "(data.vllm_stream), the shipped config's teacher cache included; --repeats passes each",
+    )
+    p.add_argument(
         "--repeats",
         type=positive_int,
         default=3,
@@ -401,7 +447,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="the JSON (its .md beside it); default bench/out/data.json (data-eager-study.json, data-batch-study.json)",
+        help="the JSON (its .md beside it); default bench/out/data.json (data-eager-study.json, "
+        "data-batch-study.json, data-stream-study.json)",
     )
     p.add_argument(
         "--workdir",
@@ -410,13 +457,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="keep run folders here, a new or empty one (default: a temp dir)",
     )
     args = p.parse_args(argv)
-    if args.batch_sizes is not None:
-        if len(set(args.batch_sizes)) != len(args.batch_sizes) or len(args.batch_sizes) < 2:
-            p.error(f"--batch-sizes: {args.batch_sizes}: give two or more different sizes, e.g. 64,128")
-        if args.eager_study:
-            p.error("--batch-sizes: give it or --eager-study, not both")
+    if args.batch_sizes is not None and (
+        len(set(args.batch_sizes)) != len(args.batch_sizes) or len(args.batch_sizes) < 2
+    ):
+        p.error(f"--batch-sizes: {args.batch_sizes}: give two or more different sizes, e.g. 64,128")
+    studies = [
+        n
+        for n, on in (
+            ("--batch-sizes", args.batch_sizes),
+            ("--eager-study", args.eager_study),
+            ("--stream-study", args.stream_study),
+        )
+        if on
+    ]
+    if len(studies) > 1:
+        p.error(f"{' and '.join(studies)}: give one study at a time")
     if args.out is None:
-        stem = "data-batch-study" if args.batch_sizes else "data-eager-study" if args.eager_study else "data"
+        stem = (
+            "data-batch-study"
+            if args.batch_sizes
+            else "data-eager-study"
+            if args.eager_study
+            else "data-stream-study"
+            if args.stream_study
+            else "data"
+        )
         args.out = OUT_DIR / f"{stem}.json"
     if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
         # A finished build there makes `distill data` report "already complete" and the bench would report
@@ -444,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["batch_study"] = batch_study(work, args)
             elif args.eager_study:
                 results["eager_study"] = eager_study(work, args)
+            elif args.stream_study:
+                results["stream_study"] = stream_study(work, args)
             else:
                 results["generation"] = engine_study(work, args)
                 results["cache"] = cache_sizes(work / "hf-0", args.ks, args.codecs, args.cache_rows)

@@ -60,6 +60,10 @@ FULL_RUNS: dict[str, dict[str, list[str]]] = {
                         "--repeats", "2"],
         # Prompts per generation call (data.batch_size) with the shipped top-k cache, as the demo generates.
         "batch-study": ["--batch-sizes", "64,128,256", "--prompts", "256", "--dtype", "bfloat16", "--repeats", "2"],
+        # One generate call per batch vs requests streamed across batches (data.vllm_stream), at the shipped
+        # batch of 128 with the shipped top-k cache; 640 prompts are 5 batches, 4 of whose ends can overlap.
+        "stream-study": ["--stream-study", "--prompts", "640", "--batch-size", "128", "--dtype", "bfloat16",
+                         "--repeats", "2"],
     },
     "bench_train": {
         "speed": ["--only", "speed", "--target", "smollm2-135m-instruct", "--draft-layers", "2",

@@ -192,3 +192,51 @@ def test_bad_batch_sizes_are_exit_2_before_any_generation(monkeypatch, tmp_path,
     with pytest.raises(SystemExit) as exc:
         bench_data.main([*sizes, "--out", str(tmp_path / "b.json")])
     assert exc.value.code == 2 and "--batch-sizes" in capsys.readouterr().err
+
+
+def test_stream_study_alternates_modes_keeps_the_teacher_cache_and_summarises(monkeypatch, tmp_path):
+    import distill.cli
+
+    calls: list[tuple[str, tuple[str, ...]]] = []
+    # per-batch-0, streamed-0 | streamed-1, per-batch-1
+    monkeypatch.setattr(bench_data, "run_stage", _fake_stage([500.0, 550.0, 480.0, 400.0], calls))
+    monkeypatch.setattr(
+        bench_data, "agreement", lambda a, b: 0.5 if {a.name, b.name} == {"streamed-0", "per-batch-0"} else -1
+    )
+    out = tmp_path / "s.json"
+    assert bench_data.main(["--stream-study", "--repeats", "2", "--out", str(out)]) == 0
+    assert calls == [
+        ("per-batch-0", ("data.vllm_stream=false",)),
+        ("streamed-0", ("data.vllm_stream=true",)),
+        ("streamed-1", ("data.vllm_stream=true",)),
+        ("per-batch-1", ("data.vllm_stream=false",)),
+    ]
+    st = json.loads(out.read_text())["stream_study"]
+    assert st["streamed_over_per_batch_per_repeat"] == {
+        "median": 1.15,
+        "min": 1.1,
+        "max": 1.2,
+        "n": 2,
+        "spread_pct": 8.7,
+    }
+    assert st["streamed_over_per_batch"] == 1.15 and st["identical_responses"] == 0.5
+    md = (tmp_path / "s.md").read_text()
+    assert "streamed / per-batch tokens/s, per repeat: **1.15x** (1.10–1.20, n=2)" in md
+    assert "the shipped config's top-k cache" in md
+    # The real run_stage keeps the shipped config's top-k cache for this study.
+    monkeypatch.undo()
+    seen: list[list[str]] = []
+    monkeypatch.setattr(distill.cli, "main", lambda argv: seen.append(argv) or 2)
+    bench_data.main(["--stream-study", "--repeats", "1", "--out", str(tmp_path / "y.json")])
+    assert not any(a.startswith("data.logits") for a in seen[0])
+
+
+@pytest.mark.parametrize(
+    "studies",
+    [["--stream-study", "--eager-study"], ["--stream-study", "--batch-sizes", "64,128"]],
+)
+def test_two_studies_at_once_are_exit_2(monkeypatch, tmp_path, capsys, studies):
+    monkeypatch.setattr(bench_data, "run_stage", _must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        bench_data.main([*studies, "--out", str(tmp_path / "s.json")])
+    assert exc.value.code == 2 and "one study at a time" in capsys.readouterr().err
