@@ -139,3 +139,28 @@ def test_vllm_worker_samples_seeded_responses_past_the_prefill_budget(
     assert [r["prompt_id"] for r in one_batch] == [r["prompt_id"] for r in five_batches]
     same = sum(a["input_ids"] == b["input_ids"] for a, b in zip(one_batch, five_batches, strict=True))
     assert same >= 0.9 * len(one_batch), f"only {same}/{len(one_batch)} samples equal across batch sizes"
+
+
+def test_vllm_worker_streams_several_responses_per_prompt(tiny_config_overrides, tmp_path, monkeypatch):
+    """n > 1 through the streaming worker: vLLM fans each request out into n children and reports the parent
+    once all are done; every prompt gets its n responses, in order, across more chunks than fit in flight."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    overrides = [o for o in tiny_config_overrides if not o.startswith("run.dir=")]
+    overrides += [
+        f"run.dir={tmp_path / 'run'}",
+        "target.dtype=float32",
+        "data.engine=vllm",
+        "data.temperature=1.0",
+        "data.responses_per_prompt=2",
+        "data.max_train_prompts=12",
+        "data.max_val_prompts=2",
+        "data.max_new_tokens=12",
+        "data.batch_size=5",
+        "data.vllm_kvcache_gib=1",
+    ]
+    assert main(["data", "-c", CONFIG, *overrides]) == 0
+    rows = [dict(r) for r in load_split_dataset(tmp_path / "run", "train")]
+    assert len(rows) == 24 and [r["response_index"] for r in rows] == [0, 1] * 12
+    assert all(rows[i]["prompt_id"] == rows[i + 1]["prompt_id"] for i in range(0, 24, 2))
+    differ = sum(rows[i]["input_ids"] != rows[i + 1]["input_ids"] for i in range(0, 24, 2))
+    assert differ >= 6  # sampling at T=1 from a random model: the two responses mostly differ
