@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +149,8 @@ class ChunkStream:
         engine: Any,
         chunks: list[dict[str, Any]],
         max_in_flight: int,
-        request: Any,
-        write: Any,
+        request: Callable[[dict[str, Any]], tuple[Any, Any]],
+        write: Callable[[dict[str, Any], list[Any], float], None],
         across_chunks: bool = True,
     ) -> None:
         self.engine, self.chunks, self.max_in_flight = engine, chunks, max_in_flight
@@ -174,7 +175,7 @@ class ChunkStream:
             self.engine.add_request(request_id, prompt, params)
             self.in_flight.add(request_id)
 
-    def run(self, keep_going: Any = lambda: True) -> int:
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> int:
         """Generate every chunk; returns how many were written. Stops early (writing nothing partial) when
         `keep_going()` turns false."""
         last = time.perf_counter()
