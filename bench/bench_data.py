@@ -155,25 +155,27 @@ def ratio_per_repeat(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> di
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in spread(ratios).items()}
 
 
-def eager_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM generation eager vs compiled (`data.vllm_enforce_eager`), `--repeats` passes each (run_passes);
-    medians and min-max of tokens/s and start-up, the ratio compiled / eager per repeat."""
-    passes = run_passes(
-        work,
-        args,
-        {
-            "eager": ("vllm", ("data.vllm_enforce_eager=true",)),
-            "compiled": ("vllm", ("data.vllm_enforce_eager=false",)),
-        },
-    )
+def two_mode_study(
+    work: Path, args: argparse.Namespace, key: str, base: tuple[str, str], new: tuple[str, str]
+) -> dict[str, Any]:
+    """vLLM generation in two modes of the config key `key`, each (name, value), `--repeats` passes each
+    (run_passes, `base` first); medians and min-max of tokens/s and start-up, the ratio new / base per repeat
+    (`<new>_over_<base>`, names with `_` for `-`) and the share of identical responses in repeat 0."""
+    passes = run_passes(work, args, {name: ("vllm", (f"{key}={value}",)) for name, value in (base, new)})
     summary: dict[str, Any] = {"passes": passes}
     for mode, rows in passes.items():
         summary[mode] = summarize(rows)
-    ratio = ratio_per_repeat(passes["compiled"], passes["eager"])
-    summary["compiled_over_eager"] = ratio["median"]
-    summary["compiled_over_eager_per_repeat"] = ratio
-    summary["identical_responses"] = round(agreement(work / "compiled-0", work / "eager-0"), 3)
+    ratio = ratio_per_repeat(passes[new[0]], passes[base[0]])
+    label = f"{new[0]}_over_{base[0]}".replace("-", "_")
+    summary[label] = ratio["median"]
+    summary[f"{label}_per_repeat"] = ratio
+    summary["identical_responses"] = round(agreement(work / f"{new[0]}-0", work / f"{base[0]}-0"), 3)
     return summary
+
+
+def eager_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM generation eager vs compiled (`data.vllm_enforce_eager`); the ratio compiled / eager."""
+    return two_mode_study(work, args, "data.vllm_enforce_eager", ("eager", "true"), ("compiled", "false"))
 
 
 def batch_name(size: int) -> str:
@@ -197,24 +199,8 @@ def batch_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def stream_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """vLLM generation with one generate call per batch (`per-batch`) vs requests streamed across batches
-    (`streamed`, `data.vllm_stream`), `--repeats` passes each (run_passes); the ratio streamed / per-batch per
-    repeat."""
-    passes = run_passes(
-        work,
-        args,
-        {
-            "per-batch": ("vllm", ("data.vllm_stream=false",)),
-            "streamed": ("vllm", ("data.vllm_stream=true",)),
-        },
-    )
-    summary: dict[str, Any] = {"passes": passes}
-    for mode, rows in passes.items():
-        summary[mode] = summarize(rows)
-    ratio = ratio_per_repeat(passes["streamed"], passes["per-batch"])
-    summary["streamed_over_per_batch"] = ratio["median"]
-    summary["streamed_over_per_batch_per_repeat"] = ratio
-    summary["identical_responses"] = round(agreement(work / "streamed-0", work / "per-batch-0"), 3)
-    return summary
+    (`streamed`, `data.vllm_stream`); the ratio streamed / per-batch."""
+    return two_mode_study(work, args, "data.vllm_stream", ("per-batch", "false"), ("streamed", "true"))
 
 
 def engine_study(work: Path, args: argparse.Namespace) -> dict[str, Any]:

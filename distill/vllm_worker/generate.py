@@ -159,7 +159,7 @@ class ChunkStream:
         self.queue.reverse()  # popped from the end: chunk 0's first prompt first
         self.results: list[list[Any]] = [[None] * len(chunk["prompts"]) for chunk in chunks]
         self.left = [len(chunk["prompts"]) for chunk in chunks]
-        self.in_flight: set[str] = set()
+        self.in_flight: dict[str, tuple[int, int]] = {}  # request id -> (chunk, prompt)
         self.last_chunk = -1  # the chunk of the last request submitted
         self.chunks_written = 0
 
@@ -173,7 +173,7 @@ class ChunkStream:
             request_id = f"distill-{c}-{i}"
             prompt, params = self.request(self.chunks[c]["prompts"][i])
             self.engine.add_request(request_id, prompt, params)
-            self.in_flight.add(request_id)
+            self.in_flight[request_id] = (c, i)
 
     def run(self, keep_going: Callable[[], bool] = lambda: True) -> int:
         """Generate every chunk; returns how many were written. Stops early (writing nothing partial) when
@@ -186,9 +186,7 @@ class ChunkStream:
             for out in self.engine.step():
                 if not out.finished or out.request_id not in self.in_flight:
                     continue
-                self.in_flight.discard(out.request_id)
-                _, c, i = out.request_id.rsplit("-", 2)
-                c, i = int(c), int(i)
+                c, i = self.in_flight.pop(out.request_id)
                 self.results[c][i] = out
                 self.left[c] -= 1
                 if self.left[c] == 0:
