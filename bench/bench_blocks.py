@@ -1,11 +1,13 @@
 """Train-step time and resident memory with the output head and loss run in blocks of rows
 (`train.logits_block_rows`) against all of a micro-batch's predictions at once, with each block's gradient by
 autograd or in closed form (`train.loss_gradient`), and with one sequence per row of the draft's input or
-several (`train.pack_sequences`), side by side on a real data run.
+several (`train.pack_sequences`), and with the training softmax over the whole vocabulary or a sampled set of
+candidate tokens (`train.head_candidates`), side by side on a real data run.
 
     python -m bench.bench_blocks                                   # the demo's data run (make demo first)
     python -m bench.bench_blocks --block-rows 0,512,1024,2048 --loss-gradient autograd --pack false --steps 40 --repeats 2
     python -m bench.bench_blocks --block-rows 1024 --loss-gradient autograd,auto --pack false,true --steps 16 --repeats 3
+    python -m bench.bench_blocks --block-rows 1024 --head-candidates 0,8192,16384 --steps 16 --repeats 3
     python -m bench.bench_blocks --quick                           # 2 timed steps, 1 repeat
 
 Each measurement is its own process (a fresh heap) running `distill train`'s Lightning step on the run's cached
@@ -60,8 +62,9 @@ def growth_per_step(rss_gib: list[float], warmup: int, every: int) -> float | No
     return (rss_gib[end] - rss_gib[start]) / (end - start)
 
 
-def setting_label(block_rows: int, loss_gradient: str, pack: bool) -> str:
-    return f"{block_rows}/{loss_gradient}/{'packed' if pack else 'unpacked'}"
+def setting_label(block_rows: int, loss_gradient: str, pack: bool, candidates: int = 0) -> str:
+    label = f"{block_rows}/{loss_gradient}/{'packed' if pack else 'unpacked'}"
+    return f"{label}/{candidates} candidates" if candidates else label
 
 
 def summarize(runs: list[dict[str, Any]], warmup: int, every: int) -> dict[str, Any]:
@@ -82,6 +85,7 @@ def summarize(runs: list[dict[str, Any]], warmup: int, every: int) -> dict[str, 
             "block_rows": mine[0]["block_rows"],
             "loss_gradient": mine[0]["loss_gradient"],
             "pack_sequences": mine[0]["pack_sequences"],
+            "head_candidates": mine[0].get("head_candidates", 0),
             "step_s": spread([s for r in mine for s in r["step_s"]]),
             "speedup_vs_first": spread(ratios) if ratios else None,
             "rss_first_timed_gib": median([r["rss_gib"][warmup] for r in mine if len(r["rss_gib"]) > warmup]),
@@ -94,10 +98,13 @@ def summarize(runs: list[dict[str, Any]], warmup: int, every: int) -> dict[str, 
 
 
 def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    # The head_candidates column only where a setting trains on candidates (tables before it had none).
+    with_candidates = any(row.get("head_candidates") for row in summary.values())
     header = [
         "logits_block_rows",
         "loss_gradient",
         "pack_sequences",
+        *(["head_candidates"] if with_candidates else []),
         "s/step (median, min–max)",
         "speedup vs first (per repeat)",
         "RSS after first timed step GiB",
@@ -113,6 +120,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
                 "0 (all at once)" if row["block_rows"] == 0 else str(row["block_rows"]),
                 row["loss_gradient"],
                 str(row["pack_sequences"]).lower(),
+                *([str(row.get("head_candidates") or 0)] if with_candidates else []),
                 f"{fmt(s['median'], 2)} ({fmt(s['min'], 2)}–{fmt(s['max'], 2)})",
                 f"**{ratio['median']:.2f}x** ({ratio['min']:.2f}–{ratio['max']:.2f}, n={ratio['n']})"
                 if ratio
@@ -134,6 +142,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace) -> str:
     title = (
         "### Train step: output head and loss in blocks of rows (`train.logits_block_rows`), gradient by "
         "autograd or in closed form (`train.loss_gradient`), sequences packed (`train.pack_sequences`)"
+        + (", softmax over candidate tokens (`train.head_candidates`)" if with_candidates else "")
     )
     return f"{title}\n\n{markdown_table(header, rows)}{note}"
 
@@ -165,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         default="true",
         help="comma list of train.pack_sequences values (true, false); the first is the reference",
     )
+    p.add_argument(
+        "--head-candidates",
+        default="0",
+        help="comma list of train.head_candidates values (0 = the whole vocabulary); the first is the reference",
+    )
     p.add_argument("--steps", type=positive_int, default=40)
     p.add_argument("--warmup", type=non_negative_int, default=2)
     p.add_argument("--repeats", type=positive_int, default=2)
@@ -189,9 +203,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gradients = comma_choices(args.loss_gradient, ("auto", "autograd"), "--loss-gradient")
     packs = comma_choices(args.pack, ("true", "false"), "--pack")
+    try:
+        candidates = [int(x) for x in args.head_candidates.split(",") if x.strip()]
+    except ValueError:
+        candidates = []
+    if not candidates or any(x < 0 for x in candidates):
+        print(
+            f"--head-candidates: expected a comma list of integers >= 0, got {args.head_candidates!r}",
+            file=sys.stderr,
+        )
+        return 2
     if gradients is None or packs is None:
         return 2
-    triples = [(rows, grad, pack == "true") for pack in packs for grad in gradients for rows in settings]
+    triples = [
+        (rows, grad, pack == "true", cand)
+        for cand in candidates
+        for pack in packs
+        for grad in gradients
+        for rows in settings
+    ]
     data = complete_data(args.run_dir, args.config)
     if data is None:
         return 2
@@ -200,23 +230,26 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for rep in range(args.repeats):
         shift = rep % len(triples)
-        for rows, grad, pack in triples[shift:] + triples[:shift]:
+        for rows, grad, pack, cand in triples[shift:] + triples[:shift]:
             packed = str(pack).lower()
             overrides = [
                 *DRAFTS[args.draft],
                 f"train.logits_block_rows={rows}",
                 f"train.loss_gradient={grad}",
                 f"train.pack_sequences={packed}",
+                f"train.head_candidates={cand}",
             ]
             label = f"{args.draft} logits_block_rows={rows} loss_gradient={grad} pack_sequences={packed}"
+            label += f" head_candidates={cand}" if cand else ""
             job = worker_job(args, work, overrides, label, retain=True, budget=True)
             result = run_worker(job, args.threads)
             runs.append(
                 {
-                    "setting": setting_label(rows, grad, pack),
+                    "setting": setting_label(rows, grad, pack, cand),
                     "block_rows": rows,
                     "loss_gradient": grad,
                     "pack_sequences": pack,
+                    "head_candidates": cand,
                     "repeat": rep,
                     **result,
                 }

@@ -154,6 +154,23 @@ RECIPES: dict[str, list[str]] = {
         "draft.layers=[0,1,16,17,18]",
         "train.parallel_mask_fraction=0.5",
     ],
+    # The shipped induction-layer recipe with the training softmax over 8192 or 16384 candidate tokens per
+    # micro-batch (train.head_candidates: the ~7k its 16 rows' cached top-32 name and a reweighted sample of the
+    # others) instead of all 49,152: the head and the loss were about half of a step (BENCHMARKS.md section 7).
+    "pard4-lr4e-3-layers-induction-cand8k": [
+        *PARD4[:-1],
+        "train.lr=4e-3",
+        "draft.num_layers=5",
+        "draft.layers=[0,1,16,17,18]",
+        "train.head_candidates=8192",
+    ],
+    "pard4-lr4e-3-layers-induction-cand16k": [
+        *PARD4[:-1],
+        "train.lr=4e-3",
+        "draft.num_layers=5",
+        "draft.layers=[0,1,16,17,18]",
+        "train.head_candidates=16384",
+    ],
     # A 300-step schedule may be too short for lr 1e-3 to settle: a larger peak learning rate.
     "pard4-lr2e-3": [*PARD4[:-1], "train.lr=2e-3"],
     "pard4-lr4e-3": [*PARD4[:-1], "train.lr=4e-3"],

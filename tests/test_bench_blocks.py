@@ -114,3 +114,33 @@ def test_missing_data_run_is_an_input_error(tmp_path, capsys):
     assert bench_blocks.main(["--run-dir", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path)]) == 2
     assert "no complete data stage" in capsys.readouterr().err
     assert not (tmp_path / "blocks.json").exists()
+
+
+def test_head_candidates_get_their_own_settings_and_column():
+    runs = [_run(1024, 0, [4.0, 4.0], [3.0, 3.0, 3.0], grad="auto", pack=True)]
+    cut = _run(1024, 0, [3.0, 3.0], [3.0, 3.0, 3.0], grad="auto", pack=True)
+    cut.update(setting=bench_blocks.setting_label(1024, "auto", True, 16384), head_candidates=16384)
+    summary = bench_blocks.summarize([*runs, cut], warmup=1, every=20)
+    assert list(summary) == ["1024/auto/packed", "1024/auto/packed/16384 candidates"]
+    args = argparse.Namespace(
+        draft="parallel-k4",
+        steps=2,
+        warmup=1,
+        repeats=1,
+        run_dir="r",
+        config="c.yaml",
+        threads=2,
+        trim_every=20,
+    )
+    md = bench_blocks.markdown(summary, args)
+    assert "| logits_block_rows | loss_gradient | pack_sequences | head_candidates |" in md
+    assert "| 1024 | auto | true | 0 | 4.00 (4.00–4.00) | **1.00x**" in md
+    assert "| 1024 | auto | true | 16384 | 3.00 (3.00–3.00) | **1.33x** (1.33–1.33, n=1) |" in md
+    assert "head_candidates" not in bench_blocks.markdown(bench_blocks.summarize(runs, 1, 20), args)
+
+
+@pytest.mark.parametrize("bad", ["", "x", "0,-5"])
+def test_bad_head_candidates_is_an_input_error(tmp_path, capsys, bad):
+    assert bench_blocks.main(["--head-candidates", bad, "--out-dir", str(tmp_path)]) == 2
+    assert "--head-candidates" in capsys.readouterr().err
+    assert not (tmp_path / "blocks.json").exists()

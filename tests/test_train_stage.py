@@ -537,6 +537,40 @@ def test_freeze_embeddings_keeps_the_head_and_trains_the_rest(tiny_config_overri
     assert any(".layers.0." in k for k in moved)
 
 
+def test_head_candidates_train_on_a_subset_and_validate_on_the_full_vocabulary(
+    tiny_config_overrides, data_template, monkeypatch
+):
+    from distill.train import module
+    from distill.train.stage import run
+
+    sizes: list[int] = []
+    real = module.Predictions.restricted_to_candidates
+
+    def spy(self, size):
+        out = real(self, size)
+        sizes.append(-1 if out is None else int(out[0].numel()))
+        return out
+
+    monkeypatch.setattr(module.Predictions, "restricted_to_candidates", spy)
+    cfg = make_cfg(
+        tiny_config_overrides,
+        data_template,
+        "train.max_steps=20",
+        "train.teacher=cached",
+        "train.head_candidates=64",
+    )
+    assert run(cfg) is None
+    vocab = len(json.loads((cfg.run_dir / "draft" / "tokenizer.json").read_text())["model"]["vocab"])
+    assert sizes and all(64 <= n < vocab for n in sizes), (sizes, vocab)  # every step on a strict subset
+    td = cfg.run_dir / "train"
+    base = json.loads((td / "baseline.json").read_text())
+    final = json.loads((td / "val_metrics.json").read_text())["final"]
+    # Validation's loss is over the whole vocabulary, so it falls only if the subset's training moved the
+    # draft's full distribution towards the teacher's.
+    assert final["loss"] < 0.9 * base["loss"], (base, final)
+    assert final["expected_acceptance"] > base["expected_acceptance"], (base, final)
+
+
 def test_retain_freed_memory_is_applied_unless_switched_off(
     tiny_config_overrides, data_template, monkeypatch, tmp_path
 ):

@@ -102,6 +102,20 @@ class TrainConfig:
         "through autograd (the reference). Same gradient either way, up to float rounding.",
         run_only=True,
     )
+    head_candidates: int = opt(
+        0,
+        "Train the output head's softmax over this many candidate tokens per micro-batch instead of the whole "
+        "vocabulary (sampled softmax): every token the micro-batch's teacher rows (cached top-k, or the online "
+        "teacher's top-k per position) and labels name (more than this when they name more), and a uniform "
+        "sample of the other tokens, a new one each step, whose logits are raised by log(others / sampled) so "
+        "that they stand for all the others in the softmax's normaliser. The head's matmuls and the loss "
+        "shrink by the vocabulary over this size; the gradient is an estimate of the full one. Validation and "
+        "the exported draft keep the full vocabulary. For the shipped recipe 16384 trained as well as the whole "
+        "vocabulary at equal steps with 1.34x faster steps (BENCHMARKS.md section 7). 0 = the whole vocabulary "
+        "(exact).",
+        ge=0,
+        hashed_when_set=True,
+    )
     max_seq_len: int = opt(512, "Sequences are cut to this many tokens.", ge=8)
     teacher: Literal["online", "cached"] = opt(
         "online",

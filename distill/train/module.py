@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +198,8 @@ class Predictions:
     teacher: Tensor | SparseTeacher | None
     labels: Tensor
     positions: Tensor
+    # Added to the logits before the loss (train.head_candidates' sampled candidates), None = nothing.
+    logit_offset: Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -220,10 +222,13 @@ class Predictions:
             logits, t = fit_sparse_to_vocab(logits, t, self.vocab)
         return logits, self.labels[start:end], t
 
-    def loss_sum(self, spec: LossSpec, block_rows: int, closed_form: bool = True) -> Tensor:
+    def loss_sum(
+        self, spec: LossSpec, block_rows: int, closed_form: bool = True, candidates: int = 0
+    ) -> Tensor:
         """Summed per-token loss over all P predictions (a float32 scalar with a gradient), the head and the
         loss run `block_rows` predictions at a time (0 = all at once), each block's gradient in closed form
-        where the loss has one (`closed_form`, train.loss_gradient auto) or by autograd."""
+        where the loss has one (`closed_form`, train.loss_gradient auto) or by autograd; with `candidates` > 0
+        the softmax runs over a candidate subset of the vocabulary (`restricted_to_candidates`)."""
         weight = getattr(self.head, "weight", None)
         if (
             self.hidden is None
@@ -232,9 +237,21 @@ class Predictions:
             or weight is None
         ):
             return per_token_loss(spec, *self.aligned(self.block_logits(0, self.rows), 0, self.rows)).sum()
+        if candidates > 0:
+            restricted = self.restricted_to_candidates(candidates)
+            if restricted is not None:
+                ids, preds = restricted
+                return preds.chunked_loss_sum(spec, weight.index_select(0, ids), block_rows, closed_form)
+        return self.chunked_loss_sum(spec, weight, block_rows, closed_form)
+
+    def chunked_loss_sum(self, spec: LossSpec, weight: Tensor, block_rows: int, closed_form: bool) -> Tensor:
+        """`loss_sum` through `chunked_head_loss` with the head's weight rows `weight` [V', H]."""
+        assert self.hidden is not None
+        offset = self.logit_offset
 
         def row_loss(logits: Tensor, start: int, end: int) -> Tensor:
-            return per_token_loss(spec, *self.aligned(logits[:, : self.vocab].float(), start, end))
+            z = logits[:, : self.vocab].float()
+            return per_token_loss(spec, *self.aligned(z if offset is None else z + offset, start, end))
 
         by_autograd = autograd_row_grad(row_loss)
         if not (closed_form and has_closed_form(spec, self.teacher)):
@@ -245,9 +262,75 @@ class Predictions:
             assert teacher is None or isinstance(teacher, SparseTeacher)  # `has_closed_form`
             if teacher is not None and bool((teacher.ids >= self.vocab).any()):
                 return by_autograd(logits, start, end)  # ids past the tokenizer: `fit_sparse_to_vocab`
-            return closed_form_rows(spec, logits, self.labels[start:end], teacher, self.vocab)
+            # A constant shift of a logit leaves its gradient unchanged: the shifted float copy's is the one.
+            z = logits if offset is None else logits.float() + offset
+            return closed_form_rows(spec, z, self.labels[start:end], teacher, self.vocab)
 
         return chunked_head_loss(self.hidden, weight, row_grad, block_rows)
+
+    def restricted_to_candidates(self, size: int) -> tuple[Tensor, Predictions] | None:
+        """(candidate ids [C], these predictions over the candidates only) for train.head_candidates, or None
+        when the candidates would be the whole vocabulary or a cached id lies past it (`fit_sparse_to_vocab`).
+
+        The candidates are every token the labels and the teacher rows name (a dense teacher's top
+        `CANDIDATE_TOPK` per row) and, up to `size`, a uniform sample of the others, whose logits are raised
+        by log(others / sampled) (`logit_offset`) so that their exponentials estimate the whole rest of the
+        vocabulary's share of the softmax's normaliser (sampled softmax): the draft's mass outside the named
+        tokens is still pushed down, on a different sample at each step. Labels and sparse teacher ids become
+        positions in the candidate list, a dense teacher keeps the candidates' columns.
+        """
+        t = self.teacher
+        named = [self.labels]
+        if isinstance(t, SparseTeacher):
+            if bool((t.ids >= self.vocab).any()):
+                return None
+            named.append(t.ids.flatten())
+        elif isinstance(t, Tensor):
+            named.append(t.topk(min(CANDIDATE_TOPK, t.shape[-1]), dim=-1).indices.flatten())
+        ids, offset = candidate_ids(torch.cat(named), size, self.vocab)
+        if ids.numel() >= self.vocab:
+            return None
+        slot = torch.full((self.vocab,), -1, dtype=torch.long, device=ids.device)
+        slot[ids] = torch.arange(ids.numel(), device=ids.device)
+        teacher: Tensor | SparseTeacher | None = None
+        if isinstance(t, SparseTeacher):
+            teacher = SparseTeacher(slot[t.ids], t.logprobs, t.rest_logmass)
+        elif isinstance(t, Tensor):
+            teacher = t[:, ids]
+        restricted = replace(
+            self,
+            head=None,
+            vocab=int(ids.numel()),
+            teacher=teacher,
+            labels=slot[self.labels],
+            logit_offset=offset,
+        )
+        return ids, restricted
+
+
+# A dense (online) teacher's tokens named as candidates per prediction: as many as the data stage caches by
+# default, the tokens that hold nearly all of the teacher's probability.
+CANDIDATE_TOPK = 32
+
+
+def candidate_ids(named: Tensor, size: int, vocab: int) -> tuple[Tensor, Tensor | None]:
+    """(sorted distinct token ids, float32 logit offsets for them or None): the ids in `named` (all below
+    `vocab`, offset 0) and a uniform sample of the others making `size` in all (every id when `size` >= `vocab`),
+    each sampled id offset by log(others / sampled). More than `size` when `named` holds more distinct ids;
+    None when nothing is sampled. The sample is drawn from a generator seeded by the named ids, so a resumed
+    run draws what the first attempt drew."""
+    ids = torch.unique(named)
+    missing = min(size, vocab) - ids.numel()
+    if missing <= 0:
+        return ids, None
+    free = torch.ones(vocab, dtype=torch.bool)
+    free[ids.cpu()] = False
+    others = free.nonzero().squeeze(1)
+    seed = int(ids.sum()) * 1_000_003 + ids.numel()
+    pick = others[torch.randperm(others.numel(), generator=torch.Generator().manual_seed(seed))[:missing]]
+    all_ids, order = torch.cat([ids.cpu(), pick]).sort()
+    offset = torch.cat([torch.zeros(ids.numel()), torch.full((missing,), math.log(others.numel() / missing))])
+    return all_ids.to(ids.device), offset[order].to(ids.device)
 
 
 # Rows of float32 logits the closed-form loss works on at once: 64 x 49,152 x 4 bytes = 12.6 MB stays in the
@@ -454,6 +537,7 @@ class DistillModule(L.LightningModule):
         history_path: Path | None = None,
         block_rows: int = 0,
         closed_form: bool = True,
+        head_candidates: int = 0,
     ):
         super().__init__()
         self.draft = draft
@@ -469,6 +553,7 @@ class DistillModule(L.LightningModule):
         self.max_positions = max_positions
         self.block_rows = block_rows  # train.logits_block_rows
         self.closed_form = closed_form  # train.loss_gradient auto
+        self.head_candidates = head_candidates  # train.head_candidates (training steps only)
         self.automatic_optimization = False
         self.save_hyperparameters(hparams)  # plain containers only: safe `weights_only` loading
         self.history_path = history_path
@@ -528,7 +613,7 @@ class DistillModule(L.LightningModule):
         bad_rows: list[int] = []
         for mb in batch:
             pr = student_and_teacher(self.draft, self.teacher, mb, self.vocab)
-            loss_sum = pr.loss_sum(self.spec, self.block_rows, self.closed_form)
+            loss_sum = pr.loss_sum(self.spec, self.block_rows, self.closed_form, self.head_candidates)
             if not torch.isfinite(loss_sum):
                 bad_rows.extend(mb.rows.tolist())
             self.manual_backward(loss_sum * scale)

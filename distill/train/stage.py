@@ -406,6 +406,7 @@ def build_module(cfg: Config, draft: Any, teacher: Any | None, spec: LossSpec, v
         history_path=train_dir(cfg.run_dir) / "val_history.json",
         block_rows=t.logits_block_rows,
         closed_form=t.loss_gradient == "auto",
+        head_candidates=t.head_candidates,
     )
 
 
