@@ -178,3 +178,18 @@ def test_head_candidates_at_their_default_leave_run_hashes_as_they_were():
     sampled = load_config(shipped, ["train.head_candidates=8192"])
     assert output_view(sampled.train)["head_candidates"] == 8192
     assert rundir.stage_hash(sampled, "train") != rundir.stage_hash(cfg, "train")
+
+
+def test_all_rows_at_once_give_the_blocked_candidate_loss():
+    """train.logits_block_rows 0 (one block) trains on the candidates too."""
+    hidden, head = _leaves(seed=11)
+    teacher = _sparse_teacher(ROWS, k=4, width=VOCAB, seed=12)
+    labels = teacher.ids[:, 0].clone()
+    spec = LossSpec.single("fkl")
+    blocked = _run(_predictions(hidden, head, teacher, labels), spec, candidates=38, block_rows=5)
+    hidden.grad = None
+    at_once = _run(_predictions(hidden, head, teacher, labels), spec, candidates=38, block_rows=0)
+    assert at_once[0] == pytest.approx(blocked[0], rel=1e-5)
+    torch.testing.assert_close(at_once[1], blocked[1], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(at_once[2], blocked[2], rtol=1e-4, atol=1e-6)
+    assert bool((at_once[2].abs().sum(-1) == 0).any())  # some rows outside the candidates: no gradient

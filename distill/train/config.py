@@ -110,7 +110,8 @@ class TrainConfig:
         "sample of the other tokens, a new one each step, whose logits are raised by log(others / sampled) so "
         "that they stand for all the others in the softmax's normaliser. The head's matmuls and the loss "
         "shrink by the vocabulary over this size; the gradient is an estimate of the full one. Validation and "
-        "the exported draft keep the full vocabulary. For the shipped recipe 16384 trained as well as the whole "
+        "the exported draft keep the full vocabulary (as does a draft whose logits are not a bias-free product of "
+        "its head, e.g. soft-capped ones). For the shipped recipe 16384 trained as well as the whole "
         "vocabulary at equal steps with 1.34x faster steps (BENCHMARKS.md section 7). 0 = the whole vocabulary "
         "(exact).",
         ge=0,

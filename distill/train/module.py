@@ -230,18 +230,18 @@ class Predictions:
         where the loss has one (`closed_form`, train.loss_gradient auto) or by autograd; with `candidates` > 0
         the softmax runs over a candidate subset of the vocabulary (`restricted_to_candidates`)."""
         weight = getattr(self.head, "weight", None)
-        if (
-            self.hidden is None
-            or block_rows <= 0
-            or getattr(self.head, "bias", None) is not None
-            or weight is None
-        ):
-            return per_token_loss(spec, *self.aligned(self.block_logits(0, self.rows), 0, self.rows)).sum()
-        if candidates > 0:
+        plain_head = (
+            self.hidden is not None and weight is not None and getattr(self.head, "bias", None) is None
+        )
+        if candidates > 0 and plain_head:
+            assert weight is not None
             restricted = self.restricted_to_candidates(candidates)
-            if restricted is not None:
+            if restricted is not None:  # all rows in one block when block_rows is 0
                 ids, preds = restricted
                 return preds.chunked_loss_sum(spec, weight.index_select(0, ids), block_rows, closed_form)
+        if not plain_head or block_rows <= 0:
+            return per_token_loss(spec, *self.aligned(self.block_logits(0, self.rows), 0, self.rows)).sum()
+        assert weight is not None
         return self.chunked_loss_sum(spec, weight, block_rows, closed_form)
 
     def chunked_loss_sum(self, spec: LossSpec, weight: Tensor, block_rows: int, closed_form: bool) -> Tensor:
