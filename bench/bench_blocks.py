@@ -156,6 +156,18 @@ def comma_choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str] |
     return values
 
 
+def comma_ints(text: str, flag: str) -> list[int] | None:
+    """The integers >= 0 of a comma list option; None (the reason on stderr) otherwise."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(x < 0 for x in values):
+        print(f"{flag}: expected a comma list of integers >= 0, got {text!r}", file=sys.stderr)
+        return None
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-sharegpt.yaml")
@@ -192,30 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats = 2, 1, 1
-    try:
-        settings = [int(x) for x in args.block_rows.split(",") if x.strip()]
-    except ValueError:
-        settings = []
-    if not settings or any(x < 0 for x in settings):
-        print(
-            f"--block-rows: expected a comma list of integers >= 0, got {args.block_rows!r}", file=sys.stderr
-        )
-        return 2
+    settings = comma_ints(args.block_rows, "--block-rows")
     gradients = comma_choices(args.loss_gradient, ("auto", "autograd"), "--loss-gradient")
     packs = comma_choices(args.pack, ("true", "false"), "--pack")
-    try:
-        candidates = [int(x) for x in args.head_candidates.split(",") if x.strip()]
-    except ValueError:
-        candidates = []
-    if not candidates or any(x < 0 for x in candidates):
-        print(
-            f"--head-candidates: expected a comma list of integers >= 0, got {args.head_candidates!r}",
-            file=sys.stderr,
-        )
+    candidates = comma_ints(args.head_candidates, "--head-candidates")
+    if settings is None or gradients is None or packs is None or candidates is None:
         return 2
-    if gradients is None or packs is None:
-        return 2
-    triples = [
+    combos = [
         (rows, grad, pack == "true", cand)
         for cand in candidates
         for pack in packs
@@ -229,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     started = utc_now()
     runs = []
     for rep in range(args.repeats):
-        shift = rep % len(triples)
-        for rows, grad, pack, cand in triples[shift:] + triples[:shift]:
+        shift = rep % len(combos)
+        for rows, grad, pack, cand in combos[shift:] + combos[:shift]:
             packed = str(pack).lower()
             overrides = [
                 *DRAFTS[args.draft],

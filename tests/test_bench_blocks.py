@@ -34,6 +34,19 @@ def _run(
     }
 
 
+def _args(steps: int, repeats: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        draft="parallel-k4",
+        steps=steps,
+        warmup=1,
+        repeats=repeats,
+        run_dir="r",
+        config="c.yaml",
+        threads=2,
+        trim_every=20,
+    )
+
+
 def test_growth_runs_from_the_first_timed_step_to_before_the_first_hand_back():
     rss = [3.0, 4.0, 5.0, 6.0, 7.0, 2.0, 3.0]  # handed back after step 5 (every=5)
     assert bench_blocks.growth_per_step(rss, warmup=1, every=5) == pytest.approx(1.0)  # 4 -> 7 over 3 steps
@@ -68,16 +81,7 @@ def test_speedup_is_per_repeat_against_the_first_setting():
     assert summary["0/autograd/unpacked"]["rss_growth_gib_per_step"] == pytest.approx(1.0)
     assert summary["1024/autograd/unpacked"]["rss_growth_gib_per_step"] == pytest.approx(0.0)
     assert summary["0/autograd/unpacked"]["forced_trims"] == pytest.approx(2.0)
-    args = argparse.Namespace(
-        draft="parallel-k4",
-        steps=3,
-        warmup=1,
-        repeats=2,
-        run_dir="r",
-        config="c.yaml",
-        threads=2,
-        trim_every=20,
-    )
+    args = _args(steps=3, repeats=2)
     md = bench_blocks.markdown(summary, args)
     assert (
         "| 0 (all at once) | autograd | false | 4.50 (3.00–6.00) | **1.00x** (1.00–1.00, n=2) | 6.0 | +1.00 | 2 | 8192 |"
@@ -122,16 +126,7 @@ def test_head_candidates_get_their_own_settings_and_column():
     cut.update(setting=bench_blocks.setting_label(1024, "auto", True, 16384), head_candidates=16384)
     summary = bench_blocks.summarize([*runs, cut], warmup=1, every=20)
     assert list(summary) == ["1024/auto/packed", "1024/auto/packed/16384 candidates"]
-    args = argparse.Namespace(
-        draft="parallel-k4",
-        steps=2,
-        warmup=1,
-        repeats=1,
-        run_dir="r",
-        config="c.yaml",
-        threads=2,
-        trim_every=20,
-    )
+    args = _args(steps=2, repeats=1)
     md = bench_blocks.markdown(summary, args)
     assert "| logits_block_rows | loss_gradient | pack_sequences | head_candidates |" in md
     assert "| 1024 | auto | true | 0 | 4.00 (4.00–4.00) | **1.00x**" in md
