@@ -800,12 +800,40 @@ def test_rounds_reach_the_worker_and_the_report_shows_each_rounds_speedup(cfg_ar
     monkeypatch.setattr("distill.utils.subproc.run_worker", run_worker)
     monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
     assert main(["eval", *cfg_args, "eval.rounds=2", "eval.ngram=false", "eval.k=[2]"]) == 0
-    assert calls[0]["rounds"] == 2
+    assert calls[0]["rounds"] == 2 and calls[0]["keep_engines"] is False
     out = run_dir(cfg_args) / "eval"
     rep = json.loads((out / "report.json").read_text())
     row = next(r for r in rep["results"] if r["name"] == "good")
     assert row["speedup_per_round"] == [pytest.approx(2.0), pytest.approx(2 / 3)]
     assert row["round_of_pass"] == [0, 0, 1, 1] and rep["settings"]["rounds"] == 2
     md = (out / "report.md").read_text()
-    assert "in each of 2 rounds over all configurations in turn" in md
+    assert "in each of 2 rounds over all configurations in turn" in md and "engines kept running" not in md
     assert "- good k=2: 2.00, 0.67" in md
+
+
+def test_keep_engines_reaches_the_worker_and_the_report_says_so(cfg_args, monkeypatch):
+    from distill.evaluate import jobs as eval_jobs
+
+    calls = []
+
+    def run_worker(job, *, log_path, timeout_s, env=None, what="", poll=None):
+        calls.append(job)
+        first = fake_results(job)
+        results = eval_jobs.pool_rounds([first, [{**r, "startup_s": None} for r in first]])
+        return {
+            "engine": "vllm",
+            "device": "cpu",
+            "complete": True,
+            "results": results,
+            "plugin": {"patched": True},
+        }
+
+    monkeypatch.setattr("distill.utils.subproc.run_worker", run_worker)
+    monkeypatch.setattr("distill.utils.subproc.vllm_available", lambda: True)
+    args = [*cfg_args, "eval.rounds=2", "eval.ngram=false", "eval.k=[2]"]
+    assert main(["eval", *args, "eval.keep_engines=true"]) == 0
+    assert calls[-1]["keep_engines"] is True
+    out = run_dir(cfg_args) / "eval"
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["settings"]["keep_engines"] is True
+    assert "passes pooled; engines kept running across rounds" in (out / "report.md").read_text()

@@ -8,6 +8,8 @@
   (`mark_parallel`, mask = an unused special token): untrained masks, but its draft position 0 is the target's
   own next-token prediction. One engine (k=2, parallel) measured at T=0 and T=1: the counters must be those of
   k-token rounds and, at T=0 in float32, the output must equal the target's alone.
+
+A second job runs two engines over two rounds with `keep_engines`: each starts once and serves both rounds.
 """
 
 from __future__ import annotations
@@ -38,11 +40,7 @@ def parallel_draft_dir(tiny_target_dir, tiny_tokenizer, tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def worker_output(tiny_target_dir, tiny_draft_dir, parallel_draft_dir, tiny_tokenizer, tmp_path_factory):
-    from distill.utils.subproc import run_worker
-
-    tok = tiny_tokenizer
+def chat_prompts(tok):
     texts = [
         f"Explain {w} in {n} short sentences."
         for w, n in [
@@ -54,7 +52,7 @@ def worker_output(tiny_target_dir, tiny_draft_dir, parallel_draft_dir, tiny_toke
             ("maps", 3),
         ]
     ]
-    prompts = [
+    return [
         tok(
             tok.apply_chat_template(
                 [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
@@ -63,6 +61,34 @@ def worker_output(tiny_target_dir, tiny_draft_dir, parallel_draft_dir, tiny_toke
         )["input_ids"]
         for t in texts
     ]
+
+
+def run_job(target, prompts, configs, eos_token_id, out_dir, **settings):
+    """One speculate job in the vLLM worker, float32 on CPU, 1 timed repeat; `settings` add or override keys."""
+    from distill.utils.subproc import run_worker
+
+    job = {
+        "kind": "speculate",
+        "target": target,
+        "dtype": "float32",
+        "prompts": prompts,
+        "eos_token_id": eos_token_id,
+        "max_model_len": 256,
+        "configs": configs,
+        "repeats": 1,
+        "seed": 0,
+        "device": "cpu",
+        "partial_path": str(out_dir / "partial.json"),
+        **settings,
+    }
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return run_worker(job, log_path=out_dir / "worker.log", timeout_s=900, env=env)
+
+
+@pytest.fixture(scope="module")
+def worker_output(tiny_target_dir, tiny_draft_dir, parallel_draft_dir, tiny_tokenizer, tmp_path_factory):
+    tok = tiny_tokenizer
+    prompts = chat_prompts(tok)
     target = str(tiny_target_dir)
     configs = [
         {
@@ -105,23 +131,7 @@ def worker_output(tiny_target_dir, tiny_draft_dir, parallel_draft_dir, tiny_toke
         for t in (0.0, 1.0)
     ]
     out_dir = tmp_path_factory.mktemp("eval_vllm")
-    job = {
-        "kind": "speculate",
-        "target": target,
-        "dtype": "float32",
-        "prompts": prompts,
-        "max_tokens": 24,
-        "eos_token_id": tok.eos_token_id,
-        "max_model_len": 256,
-        "configs": configs,
-        "repeats": 1,
-        "seed": 0,
-        "max_num_seqs": 8,
-        "device": "cpu",
-        "partial_path": str(out_dir / "partial.json"),
-    }
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return run_worker(job, log_path=out_dir / "worker.log", timeout_s=900, env=env)
+    return run_job(target, prompts, configs, tok.eos_token_id, out_dir, max_tokens=24, max_num_seqs=8)
 
 
 def _get(out, name, temp):
@@ -180,3 +190,34 @@ def test_parallel_draft_keeps_the_greedy_output_in_float32(worker_output):
     assert report.greedy_agreement(r, _get(worker_output, "no_spec", 0.0))["greedy_match"] == 1.0
     # Draft position 0 is the target's own next token: accepted in (nearly) every round.
     assert r["accepted_per_pos"][0] / r["num_drafts"] > 0.9
+
+
+@pytest.fixture(scope="module")
+def kept_engines_output(tiny_target_dir, tiny_tokenizer, tmp_path_factory):
+    """Two engines (no_spec, the target as its own draft) resident together over two rounds."""
+    target = str(tiny_target_dir)
+    configs = [
+        {"name": "no_spec", "method": None, "draft": None, "k": 0, "temperature": 0.0, "draft_sample_method": None},
+        {"name": "self", "method": "draft_model", "draft": target, "k": 2, "temperature": 0.0, "draft_sample_method": "greedy"},
+    ]  # fmt: skip
+    out_dir = tmp_path_factory.mktemp("eval_vllm_kept")
+    prompts = chat_prompts(tiny_tokenizer)[:3]
+    eos = tiny_tokenizer.eos_token_id
+    return run_job(
+        target, prompts, configs, eos, out_dir, max_tokens=16, max_num_seqs=4, rounds=2, keep_engines=True
+    )
+
+
+def test_kept_engines_serve_the_second_round_without_starting_again(kept_engines_output):
+    out = kept_engines_output
+    assert out["complete"] is True and out["measured"] == 4
+    assert all(r["error"] is None for r in out["results"])
+    for r in out["results"]:
+        first, second = r["startup_s_per_round"]
+        assert first > 0 and second is None
+        assert r["round_of_pass"] == [0, 1] and r["output_tokens_per_pass"][0] > 0
+        # greedy decoding of the same prompts: the second round decodes what the first did
+        assert r["output_tokens_per_pass"][0] == r["output_tokens_per_pass"][1]
+    spec = _get(out, "self", 0.0)
+    assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] / spec["num_draft_tokens"] > 0.97
+    assert report.greedy_agreement(spec, _get(out, "no_spec", 0.0))["greedy_match"] == 1.0

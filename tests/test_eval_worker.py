@@ -230,3 +230,98 @@ def test_run_job_alternates_engines_over_rounds(monkeypatch, tmp_path):
     assert out["complete"] is True and out["measured"] == 4 and "last" not in out
     assert [r["round_of_pass"] for r in out["results"]] == [[0, 1], [0, 1]]
     assert out["results"][1]["num_drafts"] == 2
+
+
+def _kept_engine_job(tmp_path, **extra):
+    configs = [
+        {"name": "no_spec", "method": None, "draft": None, "k": 0, "temperature": 0.0, "draft_sample_method": None},
+        {"name": "d", "method": "draft_model", "draft": "/d", "k": 2, "temperature": 0.0, "draft_sample_method": "greedy"},
+        {"name": "d", "method": "draft_model", "draft": "/d", "k": 2, "temperature": 1.0, "draft_sample_method": "greedy"},
+    ]  # fmt: skip
+    return {**JOB, "configs": configs, "rounds": 3, "partial_path": str(tmp_path / "partial.json"), **extra}
+
+
+def _fake_engines(monkeypatch, fail=()):
+    """start_engine/stop_engine that hand out FakeLLMs and log what happened, in order."""
+    events = []
+
+    def start_engine(group, job):
+        events.append(("start", group[0]["name"]))
+        if group[0]["name"] in fail:
+            return [speculate.empty_result(c, "engine start failed: boom") for c in group]
+        llm = FakeLLM()
+        llm.name = group[0]["name"]
+        return llm, 7.0
+
+    def measure_temperature(llm, cfg, job):
+        events.append(("measure", llm.name, cfg["temperature"]))
+        return {**speculate.empty_result(cfg), "wall_s": [1.0]}
+
+    monkeypatch.setattr(speculate, "start_engine", start_engine)
+    monkeypatch.setattr(speculate, "stop_engine", lambda llm: events.append(("stop", llm.name)))
+    monkeypatch.setattr(speculate, "measure_temperature", measure_temperature)
+    monkeypatch.setattr(speculate, "environment", lambda job: {"engine": "vllm"})
+    return events
+
+
+def test_kept_engines_start_once_serve_every_round_and_stop_at_the_end(monkeypatch, tmp_path):
+    events = _fake_engines(monkeypatch)
+    out = speculate.run_job(_kept_engine_job(tmp_path, keep_engines=True))
+    starts = [e for e in events if e[0] == "start"]
+    assert starts == [("start", "no_spec"), ("start", "d")]
+    # rounds still alternate the configurations; every engine stops after the last round only
+    measures = [e[1:] for e in events if e[0] == "measure"]
+    assert measures == [("no_spec", 0.0), ("d", 0.0), ("d", 1.0)] * 3
+    assert events[-2:] == [("stop", "no_spec"), ("stop", "d")]
+    assert all(e[0] != "stop" for e in events[:-2])
+    assert out["complete"] is True and out["measured"] == 9
+    for r in out["results"]:
+        assert r["startup_s"] == 7.0 and r["startup_s_per_round"] == [7.0, None, None]
+        assert r["round_of_pass"] == [0, 1, 2]
+
+
+def test_without_kept_engines_every_round_starts_and_stops_each_engine(monkeypatch, tmp_path):
+    events = _fake_engines(monkeypatch)
+    out = speculate.run_job(_kept_engine_job(tmp_path))
+    kinds = [e[0] for e in events if e[0] != "measure"]
+    assert kinds == ["start", "stop"] * 6
+    assert all(r["startup_s_per_round"] == [7.0] * 3 for r in out["results"])
+
+
+def test_a_kept_engine_that_failed_to_start_is_not_retried_and_the_others_still_stop(monkeypatch, tmp_path):
+    events = _fake_engines(monkeypatch, fail={"d"})
+    out = speculate.run_job(_kept_engine_job(tmp_path, keep_engines=True))
+    assert [e for e in events if e[0] == "start"] == [("start", "no_spec"), ("start", "d")]
+    assert [e for e in events if e[0] == "stop"] == [("stop", "no_spec")]
+    d = [r for r in out["results"] if r["name"] == "d"]
+    assert len(d) == 2 and all(r["error"].count("engine start failed: boom") == 3 for r in d)
+    assert next(r for r in out["results"] if r["name"] == "no_spec")["error"] is None
+
+
+def test_kept_engines_stop_when_a_round_is_interrupted(monkeypatch, tmp_path):
+    events = _fake_engines(monkeypatch)
+    calls = {"n": 0}
+
+    def interrupted(llm, cfg, job):
+        calls["n"] += 1
+        if calls["n"] == 4:  # round 2, first engine
+            raise KeyboardInterrupt
+        return {**speculate.empty_result(cfg), "wall_s": [1.0]}
+
+    monkeypatch.setattr(speculate, "measure_temperature", interrupted)
+    try:
+        speculate.run_job(_kept_engine_job(tmp_path, keep_engines=True))
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interrupt should propagate")
+    assert [e for e in events if e[0] == "stop"] == [("stop", "no_spec"), ("stop", "d")]
+
+
+def test_kept_engines_split_the_gpu_memory_share():
+    job = {**JOB, "device": "cuda", "gpu_memory_utilization": 0.9}
+    kept = speculate.KeptEngines(job, 3)
+    assert kept.job["gpu_memory_utilization"] == 0.3 and job["gpu_memory_utilization"] == 0.9
+    cfg = {"name": "no_spec", "method": None, "k": 0}
+    assert speculate.engine_kwargs(cfg, kept.job)["gpu_memory_utilization"] == 0.3
+    assert speculate.KeptEngines({**JOB, "device": "cpu"}, 3).job.get("gpu_memory_utilization") is None

@@ -57,8 +57,18 @@ class EvalConfig:
         1,
         "Sweeps over all configurations in turn (A B C, A B C, ...); each configuration's repeats are pooled over "
         "the rounds (median of repeats x rounds passes) and the report adds its speedup per round. On a shared, "
-        "drifting machine 2 keeps one slow spell from deciding a ratio; every round starts each vLLM engine again.",
+        "drifting machine 2 keeps one slow spell from deciding a ratio; every round starts each vLLM engine again "
+        "unless eval.keep_engines.",
         ge=1,
+    )
+    keep_engines: bool = opt(
+        False,
+        "With eval.rounds > 1 on vLLM: start each configuration's engine once and keep all of them running until "
+        "the last round, instead of starting each again every round (a start costs 1-2 minutes on a 2-core CPU: "
+        "compile, KV cache, draft). All engines are resident at once: on CPU each takes its own "
+        "eval.cpu_kvcache_gib of memory; on a GPU they split eval.gpu_memory_utilization evenly. A start-up time "
+        "is then reported for the first round only.",
+        hashed_when_set=True,
     )
     dtype: Literal["float32", "bfloat16", "float16"] | None = opt(
         None, "Precision of target and drafts in eval; null = target.dtype. Greedy equality holds in float32."

@@ -26,6 +26,8 @@ Job keys:
     rounds: int (default 1) — sweeps over all configurations, one after another (A B C, A B C): each
         configuration's passes and counters are pooled over the rounds (`pool_rounds`), so a slow spell of a
         shared machine that hits one configuration in one round moves the ratios less.
+    keep_engines: bool (default false) — with rounds > 1, start each engine once and keep every one running
+        until the last round (on a GPU they split gpu_memory_utilization) instead of starting it again each round.
     seed: int — prompt i is sampled with seed + i (same work in every repeat and configuration).
     rejection_sample_method: "standard" | "block"
     ngram_prompt_lookup_min, ngram_prompt_lookup_max: int

@@ -486,7 +486,8 @@ def _rounds_note(report: dict[str, Any]) -> str:
     rounds = int(report["settings"].get("rounds") or 1)
     if rounds < 2:
         return ""
-    return f", in each of {rounds} rounds over all configurations in turn (passes pooled)"
+    engines = "; engines kept running across rounds" if report["settings"].get("keep_engines") else ""
+    return f", in each of {rounds} rounds over all configurations in turn (passes pooled{engines})"
 
 
 def _per_round(rows: list[dict[str, Any]]) -> list[str]:

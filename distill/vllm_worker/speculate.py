@@ -5,7 +5,8 @@ the same dict). Configurations sharing an engine (same method, draft, k and draf
 differs) run on one engine, started once; its start-up time is reported separately from the timed passes.
 Each temperature gets a warm-up pass, then `repeats` timed passes over all prompts; the speculative counters
 are differences of `LLM.get_metrics()` around the timed passes only. With `job["rounds"]` > 1 the engines run
-that many times in turn (A B C, A B C) and each configuration's passes are pooled (`jobs.pool_rounds`). After
+that many times in turn (A B C, A B C) and each configuration's passes are pooled (`jobs.pool_rounds`); each
+round starts its engines again, unless `job["keep_engines"]` keeps them all running from the first round on. After
 each engine the results so far are written to `job["partial_path"]` so a crash or a timeout keeps them.
 """
 
@@ -218,8 +219,10 @@ def _shutdown(llm: Any) -> None:
         log.debug("engine shutdown: %s", exc)
 
 
-def run_group(group: list[dict[str, Any]], job: dict[str, Any]) -> list[dict[str, Any]]:
-    """Start one engine for `group`, measure each temperature; errors become per-config `error` strings."""
+def start_engine(
+    group: list[dict[str, Any]], job: dict[str, Any]
+) -> tuple[Any, float] | list[dict[str, Any]]:
+    """(engine, start-up seconds) for `group`, or the group's error results when the engine does not start."""
     from vllm import LLM
 
     t0 = time.perf_counter()
@@ -228,22 +231,71 @@ def run_group(group: list[dict[str, Any]], job: dict[str, Any]) -> list[dict[str
     except Exception as exc:
         log.exception("engine start failed for %s", group[0]["name"])
         return [empty_result(c, f"engine start failed: {type(exc).__name__}: {exc}") for c in group]
-    startup = time.perf_counter() - t0
+    return llm, time.perf_counter() - t0
+
+
+def measure_group(
+    llm: Any, group: list[dict[str, Any]], job: dict[str, Any], startup: float | None
+) -> list[dict[str, Any]]:
+    """Measure each temperature of `group` on its running engine; errors become per-config `error` strings."""
     out = []
-    try:
-        for cfg in group:
-            try:
-                res = measure_temperature(llm, cfg, job)
-            except Exception as exc:
-                log.exception("measurement failed for %s at T=%s", cfg["name"], cfg["temperature"])
-                res = empty_result(cfg, f"{type(exc).__name__}: {exc}")
-            res["startup_s"] = startup
-            out.append(res)
-    finally:
-        _shutdown(llm)
-        del llm
-        gc.collect()
+    for cfg in group:
+        try:
+            res = measure_temperature(llm, cfg, job)
+        except Exception as exc:
+            log.exception("measurement failed for %s at T=%s", cfg["name"], cfg["temperature"])
+            res = empty_result(cfg, f"{type(exc).__name__}: {exc}")
+        res["startup_s"] = startup
+        out.append(res)
     return out
+
+
+def stop_engine(llm: Any) -> None:
+    _shutdown(llm)
+    del llm
+    gc.collect()
+
+
+def run_group(group: list[dict[str, Any]], job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Start one engine for `group`, measure each temperature, stop it."""
+    started = start_engine(group, job)
+    if isinstance(started, list):
+        return started
+    llm, startup = started
+    try:
+        return measure_group(llm, group, job, startup)
+    finally:
+        stop_engine(llm)
+
+
+class KeptEngines:
+    """`job["keep_engines"]`: each group's engine starts in the first round and serves every later one (its
+    start-up is reported in the first round only, None after); all of them are stopped by `close`. An engine
+    that failed to start is not tried again: its error repeats in every round."""
+
+    def __init__(self, job: dict[str, Any], n_engines: int) -> None:
+        if job.get("device") == "cuda":
+            # The engines share the GPU: each gets its part of the memory the eval may take.
+            share = float(job.get("gpu_memory_utilization", 0.85)) / max(1, n_engines)
+            job = {**job, "gpu_memory_utilization": share}
+        self.job = job
+        self.engines: dict[int, tuple[Any, float] | list[dict[str, Any]]] = {}
+
+    def run_group(self, index: int, group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        first = index not in self.engines
+        if first:
+            self.engines[index] = start_engine(group, self.job)
+        started = self.engines[index]
+        if isinstance(started, list):
+            return [dict(r) for r in started]
+        llm, startup = started
+        return measure_group(llm, group, self.job, startup if first else None)
+
+    def close(self) -> None:
+        for started in self.engines.values():
+            if not isinstance(started, list):
+                stop_engine(started[0])
+        self.engines.clear()
 
 
 PLUGIN_ENTRY_POINT = "distill.vllm_worker.plugin:register"
@@ -295,25 +347,30 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     _write_partial(job, payload)
     groups = engine_groups(job["configs"])
     rounds = int(job.get("rounds", 1))
+    kept = KeptEngines(job, len(groups)) if job.get("keep_engines") and rounds > 1 else None
     done: list[list[dict[str, Any]]] = []
-    for r in range(rounds):
-        done.append([])
-        for i, group in enumerate(groups):
-            log.info(
-                "engine %d/%d%s: %s k=%s %s",
-                i + 1,
-                len(groups),
-                f" (round {r + 1}/{rounds})" if rounds > 1 else "",
-                group[0]["name"],
-                group[0].get("k"),
-                group[0].get("draft_sample_method") or "",
-            )
-            done[-1].extend(run_group(group, job))
-            # Pooled so far, and how many configurations were measured (the eval's progress counts them).
-            payload["results"] = pool_rounds(done)
-            payload["measured"] = sum(map(len, done))
-            payload["last"] = {k: v for k, v in done[-1][-1].items() if k not in ("texts", "token_ids")}
-            _write_partial(job, payload)
+    try:
+        for r in range(rounds):
+            done.append([])
+            for i, group in enumerate(groups):
+                log.info(
+                    "engine %d/%d%s: %s k=%s %s",
+                    i + 1,
+                    len(groups),
+                    f" (round {r + 1}/{rounds})" if rounds > 1 else "",
+                    group[0]["name"],
+                    group[0].get("k"),
+                    group[0].get("draft_sample_method") or "",
+                )
+                done[-1].extend(kept.run_group(i, group) if kept else run_group(group, job))
+                # Pooled so far, and how many configurations were measured (the eval's progress counts them).
+                payload["results"] = pool_rounds(done)
+                payload["measured"] = sum(map(len, done))
+                payload["last"] = {k: v for k, v in done[-1][-1].items() if k not in ("texts", "token_ids")}
+                _write_partial(job, payload)
+    finally:
+        if kept:
+            kept.close()
     payload.pop("last", None)
     payload["complete"] = True
     payload["plugin"] = {**plugin.status(), "entry_point": plugin_entry_point_registered()}
