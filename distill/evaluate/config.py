@@ -65,9 +65,10 @@ class EvalConfig:
         False,
         "With eval.rounds > 1 on vLLM: start each configuration's engine once and keep all of them running until "
         "the last round, instead of starting each again every round (a start costs 1-2 minutes on a 2-core CPU: "
-        "compile, KV cache, draft). All engines are resident at once: on CPU each takes its own "
-        "eval.cpu_kvcache_gib of memory; on a GPU they split eval.gpu_memory_utilization evenly. A start-up time "
-        "is then reported for the first round only.",
+        "compile, KV cache, draft). All engines are resident at once, so it suits a few configurations (the "
+        "protocol's no_spec, ngram and one draft): on CPU each engine takes its own eval.cpu_kvcache_gib plus its "
+        "processes' memory, and nothing checks that N of them fit; on a GPU they split "
+        "eval.gpu_memory_utilization evenly. A start-up time is then reported for the first round only.",
         hashed_when_set=True,
     )
     dtype: Literal["float32", "bfloat16", "float16"] | None = opt(
