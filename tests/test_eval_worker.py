@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from distill.evaluate import jobs
 from distill.vllm_worker import speculate
 
@@ -309,12 +311,8 @@ def test_kept_engines_stop_when_a_round_is_interrupted(monkeypatch, tmp_path):
         return {**speculate.empty_result(cfg), "wall_s": [1.0]}
 
     monkeypatch.setattr(speculate, "measure_temperature", interrupted)
-    try:
+    with pytest.raises(KeyboardInterrupt):
         speculate.run_job(_kept_engine_job(tmp_path, keep_engines=True))
-    except KeyboardInterrupt:
-        pass
-    else:
-        raise AssertionError("the interrupt should propagate")
     assert [e for e in events if e[0] == "stop"] == [("stop", "no_spec"), ("stop", "d")]
 
 
