@@ -38,11 +38,20 @@ def res(
         "num_drafts": drafts,
         "num_draft_tokens": draft_tokens,
         "num_accepted_tokens": accepted,
-        "accepted_per_pos": per_pos if per_pos is not None else [0] * k,
+        "accepted_per_pos": per_pos if per_pos is not None else _chain(accepted, drafts, k),
         "texts": list(texts),
         "token_ids": [list(i) for i in ids],
         "error": error,
     }
+
+
+def _chain(accepted, drafts, k):
+    """Accepted counts per position as a chain accepts them: each position at most `drafts`, earlier first."""
+    out = []
+    for _ in range(max(k, 0)):
+        out.append(min(accepted, drafts))
+        accepted -= out[-1]
+    return out
 
 
 def base(temp=0.0, walls=(2.0, 2.0, 4.0)):
@@ -130,7 +139,42 @@ def test_low_acceptance_is_not_deployable_even_if_faster():
         dtype="float32",
     )
     (rec,) = report.recommend(rows, min_acceptance=0.5)
-    assert rec["deploy"] is False and "acceptance 0.20 < 0.50" in rec["warning"]
+    assert rec["deploy"] is False and "first drafted token accepted 0.40 < 0.50" in rec["warning"]
+    assert rec["first_drafted_acceptance"] == pytest.approx(0.4)
+    assert rec["acceptance_rate"] == pytest.approx(0.2)
+
+
+def test_the_bar_is_on_the_first_drafted_token_so_a_longer_faster_draft_is_not_held_back():
+    """The shipped demo's case: a parallel k=3 draft accepts 0.24 of its drafted tokens (later positions count only
+    after every earlier one was accepted) but its first drafted token in half the rounds, and it is the fastest:
+    it is recommended; by the old per-token bar it would have lost to the slower ngram."""
+    rows = report.build_rows(
+        [
+            base(walls=(2.6,)),
+            res(
+                "ngram", method="ngram", walls=(2.4,), drafts=10, draft_tokens=20, per_pos=[7, 6], accepted=13
+            ),
+            res("distilled", k=3, walls=(2.0,), drafts=10, draft_tokens=30, per_pos=[5, 2, 0], accepted=7),
+        ],
+        dtype="float32",
+    )
+    (rec,) = report.recommend(rows, min_acceptance=0.3)
+    assert rec["name"] == "distilled" and rec["deploy"] is True and "passed_over" not in rec
+    assert rec["acceptance_rate"] == pytest.approx(7 / 30)
+    assert rec["first_drafted_acceptance"] == pytest.approx(0.5)
+    assert "first drafted token accepted 0.50 (acceptance rate 0.23)" in rec["reason"]
+    # A bar above its first drafted token holds it back, and the reason names that figure.
+    (held,) = report.recommend(rows, min_acceptance=0.6)
+    assert held["name"] == "ngram" and held["passed_over"]["first_drafted_acceptance"] == pytest.approx(0.5)
+    reason = "held back only by its first drafted token's acceptance 0.50 < eval.min_acceptance 0.60"
+    assert reason in held["reason"]
+
+
+def test_first_drafted_acceptance_falls_back_to_the_rate_at_k1_only():
+    assert report.first_drafted_acceptance({"k": 2, "per_position_acceptance": [0.5, 0.2]}) == 0.5
+    assert report.first_drafted_acceptance({"k": 1, "acceptance_rate": 0.4}) == 0.4
+    assert report.first_drafted_acceptance({"k": 3, "acceptance_rate": 0.4}) is None
+    assert report.first_drafted_acceptance({"k": 2, "per_position_acceptance": [None, None]}) is None
 
 
 def test_a_deployable_config_beats_a_faster_gated_one():
@@ -150,9 +194,10 @@ def test_a_deployable_config_beats_a_faster_gated_one():
         "k": 2,
         "speedup": pytest.approx(4.0),
         "acceptance_rate": pytest.approx(0.1),
+        "first_drafted_acceptance": pytest.approx(0.2),
     }
     assert "fast_but_rarely_right k=2 (greedy drafting) was faster (4.00x)" in rec["reason"]
-    assert "acceptance 0.10 < eval.min_acceptance 0.50" in rec["reason"]
+    assert "first drafted token's acceptance 0.20 < eval.min_acceptance 0.50" in rec["reason"]
     assert rec["reason"].startswith(
         "sound k=2 (greedy drafting) is the fastest that passes eval.min_acceptance:"
     )

@@ -318,14 +318,14 @@ def test_slow_draft_is_published_only_when_forced_and_the_card_says_why(run_dir,
 
 
 def test_faster_draft_below_min_acceptance_publishes_with_a_warning(run_dir, overrides, tmp_path, caplog):
-    """The shipped demo's case: 1.17x faster at acceptance 0.34 < eval.min_acceptance 0.5. Eval says do not
+    """1.17x faster with the first drafted token accepted 0.34 < eval.min_acceptance 0.5. Eval says do not
     deploy, but the draft pays: released without force, the low acceptance a warning on the card and CLI."""
     write_report(run_dir, base_acc=0.1, ours_acc=0.34, speedup=0.77, min_acceptance=0.5)
     assert publish(overrides) == 0
     readme = (release_dir(tmp_path) / "README.md").read_text()
     warning = (
-        "acceptance 0.34 at the fastest setting (k=4, temperature 0.00) is below eval.min_acceptance 0.50, so "
-        "eval does not recommend deploying it; it is published because it is 1.17x faster"
+        "first drafted token accepted 0.34 at the fastest setting (k=4, temperature 0.00) is below "
+        "eval.min_acceptance 0.50, so eval does not recommend deploying it; it is published because it is 1.17x faster"
     )
     assert f"> Warning: {warning}" in readme and "Published with `publish.force=true`" not in readme
     assert warning in caplog.text
@@ -581,6 +581,12 @@ def test_card_says_why_not_to_deploy():
     assert "changed the target's greedy output" in _card_line({"complete": True, "recommendation": greedy})
     ok = rec | {"speedup": 1.5, "acceptance_rate": 0.8, "deploy": True}
     assert "Eval's recommendation: deploy —" in _card_line({"complete": True, "recommendation": ok})
+    # A current report's bar is on the first drafted token (an older one's, above, on acceptance_rate).
+    first = rec | {"speedup": 1.3, "acceptance_rate": 0.1, "first_drafted_acceptance": 0.25}
+    line = _card_line(low | {"recommendation": first})
+    assert "first drafted token accepted 0.25 is below eval.min_acceptance 0.50" in line
+    above = first | {"first_drafted_acceptance": 0.6, "causes": ["greedy_mismatch"]}
+    assert "below" not in _card_line(low | {"recommendation": above})
 
 
 def test_card_shows_the_hardware(run_dir, overrides, tmp_path):

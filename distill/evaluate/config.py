@@ -114,9 +114,13 @@ class EvalConfig:
         7200.0, "The vLLM worker is stopped after this many seconds (partial results kept).", gt=0.0
     )
     min_acceptance: float = opt(
-        0.5,
-        "Below this acceptance rate a configuration is recommended only when none passes (then with deploy: "
-        "false); a faster configuration held back by this bar alone is named in the recommendation's reason.",
+        0.3,
+        "The deploy gate's bar on how often the draft matches the target: the share of rounds whose first "
+        "drafted token is accepted (per_position_acceptance[0]; for k=1 the acceptance rate). Not vLLM's "
+        "acceptance_rate (accepted / drafted tokens), which falls as k grows and would hold back longer drafts "
+        "that measured faster. Below the bar a configuration is recommended only when none passes (then with "
+        "deploy: false); a faster configuration held back by this bar alone is named in the recommendation's "
+        "reason. Untrained drafts sit near 0.05.",
         ge=0.0,
         le=1.0,
     )

@@ -202,8 +202,9 @@ def recommend(
     rows: list[dict[str, Any]], *, min_acceptance: float, incomplete: str | None = None
 ) -> list[dict[str, Any]]:
     """The fastest speculative configuration per temperature, with the deploy gate: deploy only when the eval
-    is complete (`incomplete` is None; otherwise it says why not), acceptance >= `min_acceptance`, speedup > 1
-    and, in float32 at temperature 0, the output equals the target's (greedy_match 1)."""
+    is complete (`incomplete` is None; otherwise it says why not), the first drafted token's acceptance >=
+    `min_acceptance`, speedup > 1 and, in float32 at temperature 0, the output equals the target's
+    (greedy_match 1)."""
     out = []
     for temp in sorted({float(r["temperature"]) for r in rows}):
         cands = [
@@ -236,15 +237,17 @@ def recommend(
         passed_over = faster_below_acceptance_bar(cands, best, min_acceptance)
         rec = _gate(best, min_acceptance, incomplete, gated=passed_over is not None)
         if passed_over is not None:
+            first = first_drafted_acceptance(passed_over)
             rec["passed_over"] = {
                 "name": passed_over["name"],
                 "k": passed_over["k"],
                 "speedup": float(passed_over["speedup"]),
                 "acceptance_rate": passed_over.get("acceptance_rate"),
+                "first_drafted_acceptance": first,
             }
             rec["reason"] += (
                 f" {_label(passed_over)} was faster ({float(passed_over['speedup']):.2f}x) but is held back only "
-                f"by its acceptance {passed_over['acceptance_rate']:.2f} < eval.min_acceptance "
+                f"by its first drafted token's acceptance {first:.2f} < eval.min_acceptance "
                 f"{min_acceptance:.2f}; lower eval.min_acceptance to recommend it."
             )
         out.append(rec)
@@ -261,7 +264,7 @@ def faster_below_acceptance_bar(
         for r in cands
         if float(r["speedup"]) > float(best["speedup"])
         and set(_problems(r, min_acceptance)) == {CAUSE_LOW_ACCEPTANCE}
-        and r.get("acceptance_rate") is not None
+        and first_drafted_acceptance(r) is not None
     ]
     return max(held_back, key=lambda r: r["speedup"]) if held_back else None
 
@@ -296,16 +299,30 @@ def greedy_mismatch(row: dict[str, Any]) -> bool:
     )
 
 
+def first_drafted_acceptance(row: dict[str, Any]) -> float | None:
+    """The share of rounds whose first drafted token the target accepted (per_position_acceptance[0]): how often
+    the draft's next token is the target's, whatever k is. vLLM's acceptance_rate (accepted / drafted tokens)
+    falls as k grows, since a later position counts only when every one before it was accepted, so a bar on it
+    would hold back a longer draft (a parallel one above all) that measured faster. None when unmeasured."""
+    per_pos = row.get("per_position_acceptance")
+    if isinstance(per_pos, list) and per_pos and per_pos[0] is not None:
+        return float(per_pos[0])
+    acc = row.get("acceptance_rate")
+    if acc is not None and int(row.get("k") or 0) == 1:  # one position: the same figure
+        return float(acc)
+    return None
+
+
 def _problems(row: dict[str, Any], min_acceptance: float) -> dict[str, str]:
     """cause code -> message, for each deploy condition `row` fails."""
-    acc, speedup = row.get("acceptance_rate"), float(row["speedup"])
+    first, speedup = first_drafted_acceptance(row), float(row["speedup"])
     problems = {}
     if speedup <= 1.0:
         problems[CAUSE_SLOWER] = f"{SLOWER_WARNING} (best speedup {speedup:.2f}x)"
-    if acc is None or acc < min_acceptance:
-        shown = "n/a" if acc is None else f"{acc:.2f}"
+    if first is None or first < min_acceptance:
+        shown = "n/a" if first is None else f"{first:.2f}"
         problems[CAUSE_LOW_ACCEPTANCE] = (
-            f"acceptance {shown} < {min_acceptance:.2f}: the draft rarely matches the target"
+            f"first drafted token accepted {shown} < {min_acceptance:.2f}: the draft rarely matches the target"
         )
     if greedy_mismatch(row):
         problems[CAUSE_GREEDY] = (
@@ -341,6 +358,7 @@ def _gate(
         "speculative_config": speculative_config(best),
         "speedup": speedup,
         "acceptance_rate": acc,
+        "first_drafted_acceptance": first_drafted_acceptance(best),
         "min_acceptance": min_acceptance,
         "deploy": not problems,
         "causes": list(problems),
@@ -352,7 +370,10 @@ def _gate(
         rec["warning"] = "; ".join(problems.values())
     else:
         fastest = "the fastest that passes eval.min_acceptance" if gated else "the fastest"
-        rec["reason"] = f"{label} is {fastest}: {speedup:.2f}x the target alone, acceptance {acc:.2f}."
+        rec["reason"] = (
+            f"{label} is {fastest}: {speedup:.2f}x the target alone, first drafted token accepted "
+            f"{rec['first_drafted_acceptance']:.2f} (acceptance rate {acc:.2f})."
+        )
     return rec
 
 

@@ -436,7 +436,10 @@ def not_deploy_causes(report: dict[str, Any], rec: dict[str, Any]) -> list[str]:
     codes = set(rec.get("causes") or [])
     settings = report.get("settings") or {}
     floor = _number(rec.get("min_acceptance")) or _number(settings.get("min_acceptance"))
-    acc, speedup = _number(rec.get("acceptance_rate")), _number(rec.get("speedup"))
+    # The bar is on the first drafted token's acceptance; a report from before it was had only acceptance_rate.
+    first = rec.get("first_drafted_acceptance", rec.get("acceptance_rate"))
+    acc, speedup = _number(first), _number(rec.get("speedup"))
+    what = "first drafted token accepted" if "first_drafted_acceptance" in rec else "acceptance"
     out = []
     if report.get("complete") is False or eval_report.CAUSE_INCOMPLETE in codes:
         out.append("the eval is incomplete, so these figures cover only part of the sweep")
@@ -445,7 +448,7 @@ def not_deploy_causes(report: dict[str, Any], rec: dict[str, Any]) -> list[str]:
     if (acc is not None and floor is not None and acc < floor) or eval_report.CAUSE_LOW_ACCEPTANCE in codes:
         shown = "n/a" if acc is None else f"{acc:.2f}"
         below = f"eval.min_acceptance {floor:.2f}" if floor is not None else "eval.min_acceptance"
-        out.append(f"acceptance {shown} is below {below}")
+        out.append(f"{what} {shown} is below {below}")
     if (speedup is not None and speedup <= 1.0) or eval_report.CAUSE_SLOWER in codes:
         shown = "n/a" if speedup is None else f"{speedup:.2f}x"
         out.append(f"speculation is not faster here (speedup {shown})")

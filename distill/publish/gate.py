@@ -6,9 +6,9 @@ starts and writes it when it ends, so an interrupted eval leaves an older report
 acceptance gain over the base (undistilled) draft at matching (k, temperature) (when the two share no k, of
 the first drafted token at matching temperature), a failed `greedy_match`
 at temperature 0 in float32 (speculation must not change the target's greedy output), or a draft that is not
-faster than the target alone (speedup <= 1) at every setting eval measured it at. Acceptance below
-eval.min_acceptance at the fastest setting is a warning, not a refusal: a faster draft is worth serving even
-when it matches the target less often than eval's bar (the shipped demo draft: 1.17x at acceptance 0.34).
+faster than the target alone (speedup <= 1) at every setting eval measured it at. A first drafted token
+accepted less often than eval.min_acceptance at the fastest setting is a warning, not a refusal: a faster draft
+is worth serving even when it matches the target less often than eval's bar.
 A parallel (PARD) draft that eval measured only as an ordinary draft (an older report) gets a warning: its
 card serves it in parallel.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distill.evaluate.report import first_drafted_acceptance
 from distill.rundir import completion_path
 from distill.utils.fs import read_json
 
@@ -80,18 +81,6 @@ def acceptance_gain(distilled: list[dict[str, Any]], base: list[dict[str, Any]])
     )
 
 
-def _first_position(row: dict[str, Any]) -> float | None:
-    """Acceptance of the first drafted token of a round; at k = 1 it is the acceptance rate."""
-    per_pos = row.get("per_position_acceptance")
-    if isinstance(per_pos, list) and per_pos and per_pos[0] is not None:
-        return float(per_pos[0])
-    return (
-        float(row["acceptance_rate"])
-        if row.get("k") == 1 and row.get("acceptance_rate") is not None
-        else None
-    )
-
-
 def first_position_gain(
     distilled: list[dict[str, Any]], base: list[dict[str, Any]]
 ) -> tuple[float, float, int]:
@@ -102,7 +91,7 @@ def first_position_gain(
     def by_setting(rows: list[dict[str, Any]]) -> dict[tuple[float, str], list[float]]:
         out: dict[tuple[float, str], list[float]] = {}
         for r in rows:
-            first = _first_position(r)
+            first = first_drafted_acceptance(r)
             if first is not None:
                 out.setdefault(_key(r)[1:], []).append(first)
         return out
@@ -188,18 +177,19 @@ def _min_acceptance(report: dict[str, Any]) -> float | None:
 
 
 def _acceptance_warning(rows: list[dict[str, Any]], report: dict[str, Any]) -> list[str]:
-    """A warning (not a refusal) when the fastest setting accepts less than eval.min_acceptance: eval's bar
-    is about how often the draft matches, but a faster draft is worth serving all the same."""
+    """A warning (not a refusal) when the fastest setting's first drafted token is accepted less often than
+    eval.min_acceptance: eval's bar is about how often the draft matches, but a faster draft is worth serving
+    all the same."""
     best, floor = fastest(rows), _min_acceptance(report)
     if best is None or floor is None or (measured_speedup(best) or 0.0) <= 1.0:
         return []
-    acc = best.get("acceptance_rate")
-    if isinstance(acc, (int, float)) and float(acc) >= floor:
+    first = first_drafted_acceptance(best)
+    if first is not None and first >= floor:
         return []
-    shown = f"{float(acc):.2f}" if isinstance(acc, (int, float)) else "n/a"
+    shown = "n/a" if first is None else f"{first:.2f}"
     return [
-        f"acceptance {shown} at the fastest setting ({_setting(best)}) is below eval.min_acceptance "
-        f"{floor:.2f}, so eval does not recommend deploying it; it is published because it is "
+        f"first drafted token accepted {shown} at the fastest setting ({_setting(best)}) is below "
+        f"eval.min_acceptance {floor:.2f}, so eval does not recommend deploying it; it is published because it is "
         f"{measured_speedup(best):.2f}x faster than the target alone there"
     ]
 
