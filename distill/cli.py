@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = load_config(args.config, args.overrides)
         _setup_console_logging(cfg.run.log_level)
+        from distill.precision import notes
+
+        for note in notes():  # what `auto` precision became on this machine
+            log.info(note)
         if cfg.run.threads:
             import torch
 

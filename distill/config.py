@@ -47,8 +47,14 @@ class TargetConfig:
         "(smollm2-135m-instruct, tiny-llama).",
     )
     revision: str | None = opt(None, "Hub revision (branch, tag or commit) when `model` is a hub id.")
-    dtype: Literal["float32", "bfloat16", "float16"] = opt(
-        "float32", "Precision the target is run in (teacher forward passes, generation, eval)."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "float32",
+        "Precision the target is run in (teacher forward passes, generation, eval). `auto`: bfloat16 where the "
+        "machine computes it natively (a GPU of compute capability >= 8.0; a CPU with AVX512-BF16, AMX or Arm "
+        "BF16), else float32 (emulated bfloat16 is many times slower than float32: 35 vs 472 generated tokens/s "
+        "on two kinds of 2-core EPYC host). Resolved when the config is loaded (logged; the run folder's "
+        "config.yaml and the config hash carry the result, so a run resumed on another kind of machine may find "
+        "its folder foreign).",
     )
     trust_remote_code: bool = opt(
         False, "Allow model code from the model folder/hub. Off: only built-in archs."
@@ -374,6 +380,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     problems = _section_problems(cfg)
     if problems:
         raise ConfigError(problems)
+    from distill.precision import resolve_auto
+
+    resolve_auto(cfg)
     return cfg
 
 

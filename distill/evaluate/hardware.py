@@ -53,7 +53,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _visible(indices: list[int]) -> list[int]:
+def visible_gpu_indices(indices: list[int]) -> list[int]:
     """Apply CUDA_VISIBLE_DEVICES when it lists indices (UUIDs or unset: every GPU)."""
     raw = os.environ.get("CUDA_VISIBLE_DEVICES")
     if raw is None:
@@ -78,7 +78,7 @@ def _gpus_nvml() -> list[str] | None:
         pynvml.nvmlInit()
         try:
             out = []
-            for i in _visible(list(range(pynvml.nvmlDeviceGetCount()))):
+            for i in visible_gpu_indices(list(range(pynvml.nvmlDeviceGetCount()))):
                 handle = pynvml.nvmlDeviceGetHandleByIndex(i)
                 name = pynvml.nvmlDeviceGetName(handle)
                 name = name.decode() if isinstance(name, bytes) else str(name)
@@ -110,7 +110,7 @@ def _gpus_smi() -> list[str] | None:
         if len(parts) == 3 and parts[0].isdigit():
             mib = float(parts[2]) if parts[2].replace(".", "", 1).isdigit() else None
             rows[int(parts[0])] = parts[1] + (f" ({_gib(mib * 2**20)})" if mib else "")
-    return [rows[i] for i in _visible(sorted(rows))]
+    return [rows[i] for i in visible_gpu_indices(sorted(rows))]
 
 
 def gpu_names() -> list[str]:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from distill.schema import opt, section
 
-PRECISIONS = ("32", "bf16-mixed")
+PRECISIONS = ("32", "bf16-mixed", "auto")
 
 
 @dataclass
@@ -140,7 +140,13 @@ class TrainConfig:
     strategy: Literal["auto", "ddp", "ddp_spawn", "fsdp"] = opt("auto", "Lightning strategy.")
     # A plain string checked in problems(): `train.precision=32` arrives from YAML/dotlist as the integer 32,
     # which a Literal["32", ...] would reject.
-    precision: str = opt("32", "Training precision: `32` or `bf16-mixed`.")
+    precision: str = opt(
+        "32",
+        "Training precision: `32`, `bf16-mixed`, or `auto`: bf16-mixed where the training device computes "
+        "bfloat16 natively (a GPU of compute capability >= 8.0; a CPU with AVX512-BF16, AMX or Arm BF16), else "
+        "32. `auto` is resolved when the config is loaded (logged; the run folder's config.yaml and the config "
+        "hash carry the result, so a run resumed on another kind of machine may find its folder foreign).",
+    )
     deterministic: bool = opt(
         True, "Deterministic algorithms (bit-exact resume on CPU; may be slower on GPU)."
     )
