@@ -31,6 +31,7 @@ from bench.common import OUT_DIR, REPO, machine_info, machine_line, utc_now
 # reads that run's validation rows and its undistilled and distilled drafts, bench_vocab its data and distilled
 # draft (which it trims and measures inside vLLM).
 BENCHES = (
+    "bench_precision",
     "bench_data",
     "bench_train",
     "bench_recipes",
