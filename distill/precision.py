@@ -3,8 +3,8 @@
 bfloat16 halves the memory traffic of a small model, which is most of a decode step's cost, but only hardware
 with bfloat16 arithmetic profits: an x86 CPU with AVX512-BF16 or AMX, an Arm CPU with the BF16 extension, a
 CUDA GPU of compute capability 8.0 or later. Elsewhere every bfloat16 product is emulated: on an AVX2-only AMD
-EPYC (2026-12-07) a 1 x 576 x 49152 product took 176 ms in bfloat16 against 5.6 ms in float32, and vLLM
-generated 35 tokens/s where a host with AVX512-BF16 generated 472. `target.dtype: auto` and
+EPYC (2026-12-07) vLLM generated 35 tokens/s in bfloat16 against ~230 in float32, and a draft's training step
+under bfloat16 autocast took 28x float32's (BENCHMARKS.md sections 3 and 12). `target.dtype: auto` and
 `train.precision: auto` are resolved once, when the config is loaded, so the stages, the config hash and the
 run folder's config.yaml all see the precision that ran.
 """
