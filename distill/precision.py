@@ -11,8 +11,6 @@ run folder's config.yaml all see the precision that ran.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,49 +47,23 @@ def _read_cpuinfo() -> str:
 
 
 def _capabilities_nvml() -> list[tuple[int, int]] | None:
-    try:
-        import pynvml  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    from distill.evaluate.hardware import visible_gpu_indices
+    from distill.evaluate.hardware import nvml_each_visible
 
-    try:
-        pynvml.nvmlInit()
-        try:
-            indices = visible_gpu_indices(list(range(pynvml.nvmlDeviceGetCount())))
-            return [
-                tuple(pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                for i in indices
-            ]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver, no permission: try nvidia-smi
-        return None
+    return nvml_each_visible(lambda nvml, handle: tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle)))
 
 
 def _capabilities_smi() -> list[tuple[int, int]] | None:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    from distill.evaluate.hardware import visible_gpu_indices
+    from distill.evaluate.hardware import nvidia_smi_visible
 
-    try:
-        text = subprocess.run(
-            [exe, "--query-gpu=index,compute_cap", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    rows = nvidia_smi_visible("compute_cap")
+    if rows is None:
         return None
-    found = {}
-    for line in text.splitlines():
-        index, _, cap = (p.strip() for p in line.partition(","))
-        major, _, minor = cap.partition(".")
-        if index.isdigit() and major.isdigit() and minor.isdigit():
-            found[int(index)] = (int(major), int(minor))
-    return [found[i] for i in visible_gpu_indices(sorted(found))]
+    found = []
+    for parts in rows:
+        major, _, minor = (parts[0] if parts else "").partition(".")
+        if major.isdigit() and minor.isdigit():
+            found.append((int(major), int(minor)))
+    return found
 
 
 def gpu_compute_capabilities() -> list[tuple[int, int]]:

@@ -9,6 +9,7 @@ import pytest
 from distill import cli, precision
 from distill.cli import main
 from distill.config import config_hash, load_config, output_view
+from distill.evaluate import hardware
 
 REPO_CONFIG = "configs/smollm2-sharegpt.yaml"
 
@@ -79,10 +80,10 @@ def test_gpus_decide_when_visible_and_train_on_cpu_asks_the_cpu(monkeypatch):
 
 def test_compute_capabilities_from_nvidia_smi_honour_cuda_visible_devices(monkeypatch):
     monkeypatch.setattr(precision, "_capabilities_nvml", lambda: None)
-    monkeypatch.setattr(precision.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     out = "0, 9.0\n1, 7.5\n"
     monkeypatch.setattr(
-        precision.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=out)
+        hardware.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=out)
     )
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert precision.gpu_compute_capabilities() == [(9, 0), (7, 5)]

@@ -12,8 +12,11 @@ import platform
 import shutil
 import subprocess
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # /proc/cpuinfo keys naming the CPU, most specific first (x86: "model name"; some ARM/RISC-V kernels: others).
 _CPU_KEYS = ("model name", "Model", "cpu model", "Hardware", "Processor", "uarch")
@@ -69,7 +72,9 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.0f} GiB"
 
 
-def _gpus_nvml() -> list[str] | None:
+def nvml_each_visible(read: Callable[[Any, Any], T]) -> list[T] | None:
+    """`read(pynvml, handle)` for each visible GPU, through NVML (no CUDA initialisation); None when NVML is
+    missing or fails (no driver, no permission), so that the caller can try nvidia-smi."""
     try:
         import pynvml  # type: ignore[import-not-found]
     except ImportError:
@@ -77,26 +82,23 @@ def _gpus_nvml() -> list[str] | None:
     try:
         pynvml.nvmlInit()
         try:
-            out = []
-            for i in visible_gpu_indices(list(range(pynvml.nvmlDeviceGetCount()))):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-                name = pynvml.nvmlDeviceGetName(handle)
-                name = name.decode() if isinstance(name, bytes) else str(name)
-                out.append(f"{name} ({_gib(pynvml.nvmlDeviceGetMemoryInfo(handle).total)})")
-            return out
+            indices = visible_gpu_indices(list(range(pynvml.nvmlDeviceGetCount())))
+            return [read(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # no driver, no permission: try nvidia-smi
+    except Exception:
         return None
 
 
-def _gpus_smi() -> list[str] | None:
+def nvidia_smi_visible(fields: str) -> list[list[str]] | None:
+    """nvidia-smi's `--query-gpu=index,<fields>` values (without the index) of each visible GPU, in index order;
+    None when nvidia-smi is missing or fails."""
     exe = shutil.which("nvidia-smi")
     if not exe:
         return None
     try:
         text = subprocess.run(
-            [exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            [exe, f"--query-gpu=index,{fields}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=20,
@@ -107,10 +109,30 @@ def _gpus_smi() -> list[str] | None:
     rows = {}
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit():
-            mib = float(parts[2]) if parts[2].replace(".", "", 1).isdigit() else None
-            rows[int(parts[0])] = parts[1] + (f" ({_gib(mib * 2**20)})" if mib else "")
+        if parts[0].isdigit():
+            rows[int(parts[0])] = parts[1:]
     return [rows[i] for i in visible_gpu_indices(sorted(rows))]
+
+
+def _gpus_nvml() -> list[str] | None:
+    def name_and_memory(nvml: Any, handle: Any) -> str:
+        name = nvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return f"{name} ({_gib(nvml.nvmlDeviceGetMemoryInfo(handle).total)})"
+
+    return nvml_each_visible(name_and_memory)
+
+
+def _gpus_smi() -> list[str] | None:
+    rows = nvidia_smi_visible("name,memory.total")
+    if rows is None:
+        return None
+    out = []
+    for parts in rows:
+        if len(parts) == 2:
+            mib = float(parts[1]) if parts[1].replace(".", "", 1).isdigit() else None
+            out.append(parts[0] + (f" ({_gib(mib * 2**20)})" if mib else ""))
+    return out
 
 
 def gpu_names() -> list[str]:
