@@ -5,6 +5,11 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.distill-setup
 CONFIG  ?= configs/smollm2-sharegpt.yaml
 PYTEST_ARGS ?=
+# The suite runs in this many processes, a whole test file to each (`--dist loadfile`), so that a file's module
+# fixtures (several vLLM engines in one job) start once; vLLM engine start-up is mostly single-threaded imports,
+# which two processes overlap on two cores. PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 .PHONY: setup demo test test-fast lint format bench clean-venv docs
 
@@ -26,10 +31,10 @@ demo: setup
 	$(VENV)/bin/distill run -c $(CONFIG)
 
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_XDIST) -m "not slow and not vllm" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check distill tests bench
