@@ -100,9 +100,11 @@ class DraftConfig:
         "tokens. The output head is the largest matrix of a small draft (SmolLM2: 49152 x 576, 8x one "
         "layer); a trimmed draft reads a fraction of it, and vLLM serves it with `use_heterogeneous_vocab` "
         "(greedy drafting only; the output stays exactly the target's). Training still uses the full "
-        "vocabulary. On the embedded default 16384 tokens ran 1.41x against the full draft's 1.37x, within "
-        "this CPU's noise, and greedy-only drafting gives up probabilistic drafting at T > 0 (BENCHMARKS.md, "
-        "section 11), so the shipped config keeps 0.",
+        "vocabulary. On the embedded default in bfloat16, 16384 tokens ran 1.41x against the full draft's 1.37x, "
+        "within this CPU's noise, and greedy-only drafting gives up probabilistic drafting at T > 0 "
+        "(BENCHMARKS.md, section 11), so the shipped config keeps 0. In float32 on a CPU without bfloat16 "
+        "arithmetic the head weighs twice as much and 8192 tokens pay: 1.18-1.23x against 1.13-1.15x at k=2 "
+        "(section 12).",
         ge=0,
         hashed_when_set=True,
     )
